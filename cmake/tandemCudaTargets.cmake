@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+#
+# tandem's optional CUDA and NCCL targets. Included by the build tree (CMakeLists.txt) and by the installed
+# tandemConfig.cmake, so that both define them the same way:
+#
+#   tandem::cuda  INTERFACE: tandem::tandem + CUDA::cudart
+#   tandem::nccl  INTERFACE: tandem::cuda + NCCL (nccl.h and libnccl; looked for next to the CUDA toolkit first,
+#                 then under NCCL_ROOT / NCCL_HOME, then in the system paths)
+#
+# Input:  _tandem_cuda_scope  "GLOBAL" (build tree: a parent project must see the targets) or empty.
+# Output: TANDEM_CUDA_FOUND, TANDEM_NCCL_FOUND, TANDEM_NCCL_VERSION; cache: TANDEM_NCCL_INCLUDE_DIR, TANDEM_NCCL_LIBRARY.
+
+if(NOT TARGET CUDA::cudart)
+  find_package(CUDAToolkit QUIET ${_tandem_cuda_scope})
+endif()
+
+set(TANDEM_CUDA_FOUND FALSE)
+set(TANDEM_NCCL_FOUND FALSE)
+set(TANDEM_NCCL_VERSION "")
+
+if(TARGET CUDA::cudart)
+  set(TANDEM_CUDA_FOUND TRUE)
+  if(NOT TARGET tandem::cuda)
+    add_library(tandem::cuda INTERFACE IMPORTED ${_tandem_cuda_scope})
+    target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart)
+  endif()
+
+  find_path(
+    TANDEM_NCCL_INCLUDE_DIR nccl.h
+    HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_ROOT ENV NCCL_HOME
+    PATH_SUFFIXES include
+    DOC "Directory holding nccl.h")
+  find_library(
+    TANDEM_NCCL_LIBRARY nccl
+    HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_ROOT ENV NCCL_HOME
+    PATH_SUFFIXES lib64 lib
+    DOC "The NCCL library")
+  mark_as_advanced(TANDEM_NCCL_INCLUDE_DIR TANDEM_NCCL_LIBRARY)
+
+  if(TANDEM_NCCL_INCLUDE_DIR AND TANDEM_NCCL_LIBRARY)
+    set(TANDEM_NCCL_FOUND TRUE)
+    file(STRINGS "${TANDEM_NCCL_INCLUDE_DIR}/nccl.h" _tandem_nccl_defines REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
+    foreach(_tandem_part IN ITEMS MAJOR MINOR PATCH)
+      string(REGEX MATCH "NCCL_${_tandem_part} +([0-9]+)" _tandem_match "${_tandem_nccl_defines}")
+      list(APPEND TANDEM_NCCL_VERSION "${CMAKE_MATCH_1}")
+    endforeach()
+    list(JOIN TANDEM_NCCL_VERSION "." TANDEM_NCCL_VERSION)
+    if(NOT TARGET tandem::nccl)
+      add_library(tandem::nccl INTERFACE IMPORTED ${_tandem_cuda_scope})
+      target_include_directories(tandem::nccl INTERFACE "${TANDEM_NCCL_INCLUDE_DIR}")
+      target_link_libraries(tandem::nccl INTERFACE tandem::cuda "${TANDEM_NCCL_LIBRARY}")
+    endif()
+  endif()
+endif()

@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host backend: memory is ordinary (64-byte aligned) host memory, copies are memcpy, and launch() runs a
+// kernel body over its work items in linear order, serially or split into contiguous ranges across threads.
+// Work completes before each call returns, so streams and events are trivially satisfied.
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "tandem/backend/launch.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/stream.hpp"
+
+namespace tandem {
+
+/// An owning, typed, 64-byte aligned host allocation.
+template <class T>
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  explicit HostBuffer(std::size_t n) : size_(n) {
+    if (n == 0) return;
+    const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
+    if (!data_) throw std::bad_alloc();
+  }
+  T* data() const { return data_.get(); }
+  std::size_t size() const { return size_; }
+  std::size_t bytes() const { return size_ * sizeof(T); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  std::size_t size_ = 0;
+};
+
+struct HostBackendOptions {
+  int threads = 1;  ///< threads one launch is split across (ranks that are threads usually want 1)
+};
+
+class HostBackend {
+ public:
+  template <class T>
+  using Buffer = HostBuffer<T>;
+
+  HostBackend() = default;
+  explicit HostBackend(HostBackendOptions options) : options_(options) {
+    if (options_.threads < 1)
+      detail::fail("tandem: HostBackendOptions::threads is " + std::to_string(options_.threads) +
+                   "; it must be at least 1");
+  }
+
+  static constexpr const char* name() { return "host"; }
+
+  template <class T>
+  Buffer<T> allocate(std::size_t n) const {
+    return Buffer<T>(n);
+  }
+
+  void copy(void* dst, const void* src, std::size_t bytes, Stream = {}) const {
+    if (bytes != 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+
+  void zero(void* dst, std::size_t bytes, Stream = {}) const {
+    if (bytes != 0) std::memset(dst, 0, bytes);
+  }
+
+  /// Runs body(item, 0, 1) for item = 0 .. items-1: in order on one thread, or in contiguous ranges.
+  template <class Body>
+  void launch(std::size_t items, const Body& body, Stream = {}) const {
+    const std::size_t parts = std::min<std::size_t>(static_cast<std::size_t>(options_.threads), items);
+    if (parts <= 1) {
+      for (std::size_t i = 0; i < items; ++i) body(i, 0u, 1u);
+      return;
+    }
+    std::vector<std::jthread> workers;
+    workers.reserve(parts - 1);
+    auto run = [&](std::size_t p) {
+      const std::size_t begin = items * p / parts, end = items * (p + 1) / parts;
+      for (std::size_t i = begin; i < end; ++i) body(i, 0u, 1u);
+    };
+    for (std::size_t p = 1; p < parts; ++p) workers.emplace_back(run, p);
+    run(0);
+  }
+
+  /// Returns the sum over items of body(item, 0, 1) (a double), added in item order: deterministic.
+  template <class Body>
+  double sum(std::size_t items, const Body& body, Stream = {}) const {
+    double total = 0.0;
+    for (std::size_t i = 0; i < items; ++i) total += body(i, 0u, 1u);
+    return total;
+  }
+
+  void synchronize(Stream = {}) const {}
+
+  const HostBackendOptions& options() const { return options_; }
+
+ private:
+  HostBackendOptions options_;
+};
+
+}  // namespace tandem

@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// The error hierarchy. Every failure tandem reports is a tandem::error; subclasses say where it came from.
+// Invalid input is rejected before anything is written, with a message naming the argument and the fix.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace tandem {
+
+/// Base of every exception tandem throws.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A CUDA runtime call failed.
+class cuda_error : public error {
+ public:
+  using error::error;
+};
+
+/// An NCCL call failed.
+class nccl_error : public error {
+ public:
+  using error::error;
+};
+
+/// An MPI call failed.
+class mpi_error : public error {
+ public:
+  using error::error;
+};
+
+/// A collective or barrier waited longer than its timeout; the message names the ranks that did not arrive.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
+/// Another rank of the group failed; this rank's collective was abandoned so that it does not hang.
+class peer_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+/// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
+[[noreturn]] inline void fail(std::string what) { throw error(std::move(what)); }
+
+/// Throws tandem::error with `what` unless `condition` holds.
+inline void require(bool condition, const char* what) {
+  if (!condition) fail(what);
+}
+
+}  // namespace detail
+}  // namespace tandem

@@ -1,0 +1,570 @@
+// SPDX-License-Identifier: Apache-2.0
+// DataParallel<Policy, Optimizer, Backend, Comm>: the user-facing front. It validates the user's tensors
+// (and checks that every rank passed the same ones), plans buckets, allocates what the policy needs, and
+// runs each step: pack -> collective -> (clip) -> update -> gather -> unpack, bucket by bucket.
+//
+// Buffers (F = plan.total_size(), S = plan.total_shard_size(), M = plan.max_bucket_size(), O = owned
+// elements: F under StateSharding::replicated, S under StateSharding::sharded):
+//   param_flat  F  parameter dtype   every bucket's parameters; the update writes the owned part, the
+//                                    gather fills the rest, unpack copies it to the user's buffers
+//   master      O  fp32              16-bit parameters only; for fp32 the owned part of param_flat is it
+//   state[k]    O  fp32              the optimizer's per-element state
+//   grad_flat   F  fp32              GradientReduction::at_boundary, or owned storage (the user's grads)
+//   staging     M  fp32              GradientReduction::every_micro_step with the user's storage
+//   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator
+// With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat
+// and grad_flat, and pack/unpack disappear.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/comm/communicator.hpp"
+#include "tandem/comm/local_group.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/core/tensor.hpp"
+#include "tandem/kernels/optimizer.hpp"
+#include "tandem/kernels/pack.hpp"
+#include "tandem/kernels/sum_squares.hpp"
+#include "tandem/kernels/vector.hpp"
+#include "tandem/policy/policy.hpp"
+
+namespace tandem {
+
+struct DataParallelOptions {
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;      ///< fp32 gradient bytes per bucket
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20; ///< the first bucket (the last layers)
+  int accumulation_steps = 1;  ///< micro-steps per optimizer step
+  float max_grad_norm = 0.0f;  ///< > 0: scale gradients so that their global L2 norm is at most this
+  Stream stream = {};          ///< where tandem's work is ordered
+};
+
+/// What one call of step() did.
+struct StepResult {
+  bool updated = false;    ///< the optimizer ran (this call ended an accumulation window)
+  std::uint64_t step = 0;  ///< optimizer steps taken so far
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm before clipping, when clipping
+  float clip_coefficient = 1.0f;                                ///< the factor the gradients were scaled by
+};
+
+/// Bytes per rank held for training, by category (see docs/design.md for each policy's formula).
+struct MemoryReport {
+  std::size_t params = 0;           ///< parameter storage (the user's buffers, or tandem's with owned storage)
+  std::size_t grads = 0;            ///< gradient storage written by backward (likewise)
+  std::size_t master_weights = 0;   ///< fp32 master copies of 16-bit parameters
+  std::size_t optimizer_state = 0;  ///< optimizer moments
+  std::size_t buckets = 0;          ///< tandem's flat communication buffers and accumulators
+  std::size_t total() const { return params + grads + master_weights + optimizer_state + buckets; }
+  friend bool operator==(const MemoryReport&, const MemoryReport&) = default;
+};
+
+template <Policy P, Optimizer Opt, class Backend = HostBackend, Communicator Comm = LocalComm>
+class DataParallel {
+  static_assert(P::state == StateSharding::replicated || Opt::elementwise,
+                "sharded policies need an optimizer whose state is elementwise, so that it can be split by shard");
+
+ public:
+  using OptimizerOptions = typename Opt::Options;
+
+  /// Wraps the user's tensors (copy mode: tandem packs the user's gradients and unpacks the parameters).
+  DataParallel(Comm& comm, std::vector<TensorRef> tensors, OptimizerOptions optimizer = {},
+               DataParallelOptions options = {}, Backend backend = {})
+      : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options), refs_(std::move(tensors)) {
+    std::vector<TensorSpec> specs;
+    specs.reserve(refs_.size());
+    for (const TensorRef& t : refs_) specs.push_back({t.name, t.numel, t.dtype});
+    construct(std::move(specs), Storage::user);
+  }
+
+  /// Zero-copy: tandem owns flat parameter and gradient storage and tensor(i) returns views into it. Write
+  /// initial values through the views, then call broadcast_parameters() before the first step().
+  DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
+               DataParallelOptions options = {}, Backend backend = {})
+      : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options) {
+    construct(std::move(tensors), Storage::owned);
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// Makes every rank's parameters equal to `root`'s (its buffers, or its views with owned storage) and
+  /// re-derives the fp32 master weights from them.
+  void broadcast_parameters(int root = 0) {
+    if (root < 0 || root >= world_)
+      detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
+                   std::to_string(world_) + ")");
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      const Bucket& bucket = plan_.bucket(b);
+      if (storage_ == Storage::user && rank_ == root) pack_params(b);
+      void* flat = param_bucket(b);
+      comm_.broadcast(flat, flat, bucket.size, pdtype_, root, options_.stream);
+      if (storage_ == Storage::user && rank_ != root) unpack_params(b);
+    }
+    init_masters();
+    synced_ = true;
+  }
+
+  /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
+  /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
+  StepResult step() {
+    if (!synced_)
+      detail::fail("tandem: step() before broadcast_parameters(): with owned storage, write the initial "
+                   "parameters through the views and call broadcast_parameters() first");
+    const bool first = micro_ == 0;
+    const bool boundary = micro_ + 1 == options_.accumulation_steps;
+    const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
+    const float pack_scale = 1.0f / static_cast<float>(world_ * options_.accumulation_steps);
+
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      const Bucket& bucket = plan_.bucket(b);
+      if constexpr (P::reduction == GradientReduction::every_micro_step) {
+        float* send = storage_ == Storage::user ? staging_.data() : grad_flat_.data() + bucket.offset;
+        if (storage_ == Storage::user) {
+          pack_grads(b, send, WriteMode::assign, pack_scale);
+          for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
+            backend_.zero(send + gap.begin, gap.size() * sizeof(float), options_.stream);
+        }
+        P::reduce_gradients(comm_, view(b, send));
+        const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
+        cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
+        if (storage_ == Storage::owned) backend_.zero(send, bucket.size * sizeof(float), options_.stream);
+      } else {
+        float* grads = grad_flat_.data() + bucket.offset;
+        if (storage_ == Storage::user) pack_grads(b, grads, mode, pack_scale);
+        if (boundary) P::reduce_gradients(comm_, view(b, grads));
+      }
+    }
+    if (!boundary) {
+      ++micro_;
+      return {false, step_};
+    }
+
+    StepResult result;
+    // Gradients already carry the 1/(N*k) averaging in copy mode; with owned storage it is applied here.
+    const float average = storage_ == Storage::user ? 1.0f : pack_scale;
+    if (options_.max_grad_norm > 0.0f) {
+      result.grad_norm = std::sqrt(global_sum_of_squares()) * average;
+      if (result.grad_norm > options_.max_grad_norm)
+        result.clip_coefficient = static_cast<float>(options_.max_grad_norm / (result.grad_norm + 1e-6));
+    }
+    ++step_;
+    const auto scalars = Opt::scalars(optimizer_, step_);
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      update(b, scalars, average * result.clip_coefficient);
+      P::gather_parameters(comm_, view(b, nullptr));
+      if (storage_ == Storage::user) unpack_params(b);
+    }
+    if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
+      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);
+    micro_ = 0;
+    result.updated = true;
+    result.step = step_;
+    return result;
+  }
+
+  /// Bytes this rank holds for training, by category, counted from the actual allocations.
+  MemoryReport memory_report() const {
+    MemoryReport r;
+    const std::size_t user_bytes = layout_.total_numel() * psize_;
+    r.params = storage_ == Storage::user ? user_bytes : param_flat_.bytes();
+    r.grads = storage_ == Storage::user ? user_bytes : grad_flat_.bytes();
+    r.master_weights = master_.bytes();
+    r.optimizer_state = state_[0].bytes() + state_[1].bytes();
+    r.buckets = staging_.bytes() + grad_shard_.bytes();
+    if (storage_ == Storage::user) r.buckets += param_flat_.bytes() + grad_flat_.bytes();
+    return r;
+  }
+
+  /// Tensor i: the user's buffers, or (owned storage) views into tandem's flat storage.
+  TensorRef tensor(std::size_t i) const {
+    if (i >= layout_.size())
+      detail::fail("tandem: tensor(" + std::to_string(i) + "): index out of range; the layout has " +
+                   std::to_string(layout_.size()) + " tensors");
+    if (storage_ == Storage::user) return refs_[i];
+    const TensorSpec& t = layout_[i];
+    const std::size_t at = flat_index(i);
+    return {t.name, static_cast<unsigned char*>(param_flat_.data()) + at * psize_, grad_flat_.data() + at, t.numel,
+            t.dtype};
+  }
+
+  const Plan& plan() const { return plan_; }
+  const Layout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  std::uint64_t step_count() const { return step_; }
+  int micro_step() const { return micro_; }
+  /// The optimizer's options; change them between steps (a learning-rate schedule, say).
+  OptimizerOptions& optimizer_options() { return optimizer_; }
+  const DataParallelOptions& options() const { return options_; }
+
+ private:
+  enum class Storage { user, owned };
+
+  // ---- construction -------------------------------------------------------------------------------------
+
+  void construct(std::vector<TensorSpec> specs, Storage storage) {
+    storage_ = storage;
+    world_ = comm_.size();
+    rank_ = comm_.rank();
+    if (world_ < 1) detail::fail("tandem: the communicator's size is " + std::to_string(world_) + "; it must be >= 1");
+    if (rank_ < 0 || rank_ >= world_)
+      detail::fail("tandem: the communicator's rank " + std::to_string(rank_) + " is out of range [0, " +
+                   std::to_string(world_) + ")");
+    std::string problem;
+    try {
+      validate_options();
+      layout_ = Layout(std::move(specs));
+      validate_tensors();
+    } catch (const error& e) {
+      problem = e.what();
+    }
+    agree_across_ranks(problem);
+
+    pdtype_ = layout_[0].dtype;
+    psize_ = dtype_size(pdtype_);
+    PlanOptions po;
+    po.bucket_cap_bytes = options_.bucket_cap_bytes;
+    po.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
+    po.world_size = world_;
+    po.bucket_element_bytes = sizeof(float);
+    po.alignment_elements = 16 / psize_;
+    po.shard_alignment_elements = 128 / psize_;
+    plan_ = Plan(layout_sizes(), po);
+    allocate();
+    if (storage_ == Storage::user) {
+      build_pack_tables();
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) pack_params(b);
+      init_masters();
+      synced_ = true;
+    }
+  }
+
+  void validate_options() const {
+    if (options_.accumulation_steps < 1)
+      detail::fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options_.accumulation_steps) +
+                   "; it must be at least 1");
+    if (!(options_.max_grad_norm >= 0.0f) || !std::isfinite(options_.max_grad_norm))
+      detail::fail("tandem: DataParallelOptions::max_grad_norm is " + std::to_string(options_.max_grad_norm) +
+                   "; it must be finite and >= 0 (0 disables clipping)");
+    if (options_.bucket_cap_bytes < sizeof(float) || options_.first_bucket_cap_bytes < sizeof(float))
+      detail::fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
+    Opt::validate(optimizer_);
+  }
+
+  void validate_tensors() const {
+    const DType first = layout_[0].dtype;
+    for (std::size_t i = 0; i < layout_.size(); ++i) {
+      if (layout_[i].dtype != first)
+        detail::fail(layout_.describe(i) + ": dtype " + dtype_name(layout_[i].dtype) + " differs from " +
+                     layout_.describe(0) + "'s " + dtype_name(first) +
+                     "; use one DataParallel per parameter dtype");
+    }
+    if (storage_ == Storage::owned) return;
+    struct Span {
+      std::uintptr_t begin, end;
+      std::size_t tensor;
+      const char* what;
+    };
+    std::vector<Span> spans;
+    for (std::size_t i = 0; i < refs_.size(); ++i) {
+      const TensorRef& t = refs_[i];
+      if (t.numel == 0) continue;
+      if (t.param == nullptr) detail::fail(layout_.describe(i) + ": param pointer is null");
+      if (t.grad == nullptr) detail::fail(layout_.describe(i) + ": grad pointer is null");
+      const std::size_t bytes = t.numel * dtype_size(t.dtype);
+      const auto p = reinterpret_cast<std::uintptr_t>(t.param), g = reinterpret_cast<std::uintptr_t>(t.grad);
+      if (p % dtype_size(t.dtype) != 0 || g % dtype_size(t.dtype) != 0)
+        detail::fail(layout_.describe(i) + ": buffers must be aligned to their element size (" +
+                     std::to_string(dtype_size(t.dtype)) + " bytes)");
+      spans.push_back({p, p + bytes, i, "param"});
+      spans.push_back({g, g + bytes, i, "grad"});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    for (std::size_t k = 1; k < spans.size(); ++k)
+      if (spans[k].begin < spans[k - 1].end)
+        detail::fail(layout_.describe(spans[k - 1].tensor) + "'s " + spans[k - 1].what + " buffer overlaps " +
+                     layout_.describe(spans[k].tensor) + "'s " + spans[k].what +
+                     " buffer; every parameter and gradient needs its own memory");
+  }
+
+  /// Every rank publishes (its layout's fingerprint, its options, any local problem); every rank then
+  /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
+  void agree_across_ranks(const std::string& problem) {
+    constexpr std::size_t words = 64, header = 12;
+    std::vector<std::uint64_t> mine(words, 0), all(words * static_cast<std::size_t>(world_), 0);
+    mine[0] = problem.empty() ? 0 : 1;
+    mine[1] = problem.empty() ? layout_.fingerprint() : 0;
+    mine[2] = problem.empty() ? layout_.size() : 0;
+    mine[3] = problem.empty() ? layout_.total_numel() : 0;
+    mine[4] = text_hash(P::name);
+    mine[5] = text_hash(Opt::name);
+    mine[6] = static_cast<std::uint64_t>(options_.accumulation_steps);
+    mine[7] = options_.bucket_cap_bytes;
+    mine[8] = options_.first_bucket_cap_bytes;
+    mine[9] = static_cast<std::uint64_t>(storage_);
+    mine[10] = static_cast<std::uint64_t>(world_);
+    std::memcpy(&mine[11], &options_.max_grad_norm, sizeof(float));
+    const std::size_t room = (words - header) * sizeof(std::uint64_t) - 1;
+    std::memcpy(&mine[header], problem.data(), std::min(room, problem.size()));
+    comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
+
+    if (!problem.empty()) throw error(problem);
+    for (int r = 0; r < world_; ++r) {
+      const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
+      if (w[0] != 0)
+        detail::fail("tandem: rank " + std::to_string(r) + " rejected its arguments: " +
+                     std::string(reinterpret_cast<const char*>(&w[header])));
+    }
+    const std::uint64_t* w0 = all.data();
+    for (int r = 1; r < world_; ++r) {
+      const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
+      if (w[1] != w0[1])
+        detail::fail("tandem: the tensor layout differs between ranks: rank 0 has " + std::to_string(w0[2]) +
+                     " tensors of " + std::to_string(w0[3]) + " elements, rank " + std::to_string(r) + " has " +
+                     std::to_string(w[2]) + " tensors of " + std::to_string(w[3]) +
+                     " elements (or other names, sizes or dtypes); every rank must pass the same tensors in the "
+                     "same order");
+      if (!std::equal(w0 + 4, w0 + header, w + 4))
+        detail::fail("tandem: ranks 0 and " + std::to_string(r) +
+                     " constructed DataParallel differently (policy, optimizer, accumulation_steps, bucket caps, "
+                     "storage, world size or max_grad_norm); every rank must use the same configuration");
+    }
+  }
+
+  static std::uint64_t text_hash(const char* s) {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; ++s) h = (h ^ static_cast<unsigned char>(*s)) * 0x100000001b3ull;
+    return h;
+  }
+
+  std::vector<std::size_t> layout_sizes() const {
+    std::vector<std::size_t> n;
+    n.reserve(layout_.size());
+    for (const TensorSpec& t : layout_.tensors()) n.push_back(t.numel);
+    return n;
+  }
+
+  std::size_t owned_total() const {
+    return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
+  }
+
+  void allocate() {
+    const std::size_t owned = owned_total();
+    param_flat_ = backend_.template allocate<unsigned char>(plan_.total_size() * psize_);
+    backend_.zero(param_flat_.data(), param_flat_.bytes(), options_.stream);
+    if (pdtype_ != DType::fp32) master_ = backend_.template allocate<float>(owned);
+    for (std::size_t k = 0; k < Opt::state_count(optimizer_); ++k) {
+      state_[k] = backend_.template allocate<float>(owned);
+      backend_.zero(state_[k].data(), state_[k].bytes(), options_.stream);
+    }
+    if (P::reduction == GradientReduction::at_boundary || storage_ == Storage::owned) {
+      grad_flat_ = backend_.template allocate<float>(plan_.total_size());
+      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);  // padding stays zero forever
+    }
+    if (P::reduction == GradientReduction::every_micro_step) {
+      if (storage_ == Storage::user) {
+        staging_ = backend_.template allocate<float>(plan_.max_bucket_size());
+        backend_.zero(staging_.data(), staging_.bytes(), options_.stream);
+      }
+      grad_shard_ = backend_.template allocate<float>(plan_.total_shard_size());
+    }
+  }
+
+  void build_pack_tables() {
+    std::vector<void*> params, grads;
+    for (const TensorRef& t : refs_) {
+      params.push_back(t.param);
+      grads.push_back(t.grad);
+    }
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      param_tables_.push_back(make_pack_table(plan_, b, params));
+      grad_tables_.push_back(make_pack_table(plan_, b, grads));
+    }
+    if (P::reduction != GradientReduction::every_micro_step) return;
+    staging_gaps_.resize(plan_.num_buckets());  // bucket elements no tensor covers: alignment gaps, padding
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      std::size_t at = 0;
+      for (const PackTensor& t : grad_tables_[b].tensors) {
+        if (t.offset > at) staging_gaps_[b].push_back({at, t.offset});
+        at = std::max(at, t.offset + t.numel);
+      }
+      if (plan_.bucket(b).size > at) staging_gaps_[b].push_back({at, plan_.bucket(b).size});
+    }
+  }
+
+  // ---- kernels --------------------------------------------------------------------------------------------
+
+  std::size_t flat_index(std::size_t tensor) const {
+    const Placement& at = plan_.placement(tensor);
+    return plan_.bucket(at.bucket).offset + at.offset;
+  }
+
+  void* param_bucket(std::size_t b) const {
+    return static_cast<unsigned char*>(param_flat_.data()) + plan_.bucket(b).offset * psize_;
+  }
+
+  BucketView view(std::size_t b, float* grads) const {
+    const Bucket& bucket = plan_.bucket(b);
+    return {grads, param_bucket(b), pdtype_, bucket.size, bucket.shard_size, rank_, options_.stream};
+  }
+
+  void pack_params(std::size_t b) {
+    const PackTable& t = param_tables_[b];
+    visit_dtype(pdtype_, [&](auto tag) {
+      using T = decltype(tag);
+      backend_.launch(t.items.size(),
+                      PackBody<T, T, PackDirection::to_bucket>{t.items.data(), t.tensors.data(),
+                                                               static_cast<T*>(param_bucket(b)), 1.0f},
+                      options_.stream);
+    });
+  }
+
+  void unpack_params(std::size_t b) {
+    const PackTable& t = param_tables_[b];
+    visit_dtype(pdtype_, [&](auto tag) {
+      using T = decltype(tag);
+      backend_.launch(t.items.size(),
+                      PackBody<T, T, PackDirection::from_bucket>{t.items.data(), t.tensors.data(),
+                                                                 static_cast<T*>(param_bucket(b)), 1.0f},
+                      options_.stream);
+    });
+  }
+
+  void pack_grads(std::size_t b, float* bucket, WriteMode mode, float scale) {
+    const PackTable& t = grad_tables_[b];
+    visit_dtype(pdtype_, [&](auto tag) {
+      using T = decltype(tag);
+      if (mode == WriteMode::assign)
+        backend_.launch(t.items.size(),
+                        PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{t.items.data(),
+                                                                                        t.tensors.data(), bucket,
+                                                                                        scale},
+                        options_.stream);
+      else
+        backend_.launch(t.items.size(),
+                        PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{
+                            t.items.data(), t.tensors.data(), bucket, scale},
+                        options_.stream);
+    });
+  }
+
+  void cast(const float* src, float* dst, std::size_t n, WriteMode mode) {
+    if (mode == WriteMode::assign)
+      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::assign>{src, dst, n, 1.0f}, options_.stream);
+    else
+      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f},
+                      options_.stream);
+  }
+
+  /// The owned flat range of bucket b, and where it starts in the owned (master/state) space.
+  Range owned_range(std::size_t b) const {
+    const Bucket& bucket = plan_.bucket(b);
+    if (P::state == StateSharding::replicated) return {bucket.offset, bucket.offset + bucket.size};
+    return plan_.shard(b, rank_);
+  }
+  std::size_t owned_offset(std::size_t b) const {
+    return P::state == StateSharding::replicated ? plan_.bucket(b).offset : plan_.bucket(b).shard_offset;
+  }
+
+  /// The reduced gradients of bucket b's owned range (where the update reads them).
+  const float* owned_grads(std::size_t b) const {
+    if constexpr (P::reduction == GradientReduction::every_micro_step)
+      return grad_shard_.data() + plan_.bucket(b).shard_offset;
+    return grad_flat_.data() + owned_range(b).begin;
+  }
+
+  /// Sum over buckets b and shards r (in that order) of the squared reduced gradients of shard (b, r). Each
+  /// (b, r) term is computed by one rank the same way under every policy, so the result is bitwise the same
+  /// under every policy at a given world size.
+  double global_sum_of_squares() {
+    // Shard r of bucket b inside the owned range (the whole bucket under replicated state, else shard rank_).
+    auto shard_grads = [&](std::size_t b, int r) {
+      const std::size_t at = P::state == StateSharding::replicated ? static_cast<std::size_t>(r) * plan_.bucket(b).shard_size : 0;
+      return owned_grads(b) + at;
+    };
+    const std::size_t nb = plan_.num_buckets(), nr = static_cast<std::size_t>(world_);
+    std::vector<double> terms(nb * nr, 0.0);
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::size_t n = plan_.bucket(b).shard_size;
+      for (int r = 0; r < world_; ++r) {
+        if (P::state == StateSharding::sharded && r != rank_) continue;
+        terms[b * nr + static_cast<std::size_t>(r)] =
+            backend_.sum(sum_squares_items(n), SumSquaresBody{shard_grads(b, r), n}, options_.stream);
+      }
+    }
+    if (P::state == StateSharding::sharded)
+      comm_.all_reduce(terms.data(), terms.data(), terms.size(), DType::fp64, ReduceOp::sum, options_.stream);
+    double total = 0.0;
+    for (double t : terms) total += t;
+    return total;
+  }
+
+  /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
+  void init_masters() {
+    if (pdtype_ == DType::fp32) return;
+    visit_dtype(pdtype_, [&](auto tag) {
+      using T = decltype(tag);
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+        const Range r = owned_range(b);
+        const T* src = reinterpret_cast<const T*>(param_flat_.data()) + r.begin;
+        backend_.launch(cast_items(r.size()), CastBody<T, float>{src, master_.data() + owned_offset(b), r.size(), 1.0f},
+                        options_.stream);
+      }
+    });
+  }
+
+  void update(std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
+    const Range r = owned_range(b);
+    visit_dtype(pdtype_, [&](auto tag) {
+      using T = decltype(tag);
+      UpdateArgs<T> a;
+      a.param = reinterpret_cast<T*>(param_flat_.data()) + r.begin;
+      a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
+      a.grad = owned_grads(b);
+      for (std::size_t k = 0; k < 2; ++k)
+        a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
+      a.n = r.size();
+      a.grad_scale = grad_scale;
+      backend_.launch(update_items(a.n), typename Opt::template Body<T>{a, scalars}, options_.stream);
+    });
+  }
+
+  template <class T>
+  using Buffer = typename Backend::template Buffer<T>;
+
+  Comm& comm_;
+  Backend backend_;
+  OptimizerOptions optimizer_;
+  DataParallelOptions options_;
+  std::vector<TensorRef> refs_;
+  Storage storage_ = Storage::user;
+  int world_ = 1;
+  int rank_ = 0;
+  Layout layout_;
+  Plan plan_;
+  DType pdtype_ = DType::fp32;
+  std::size_t psize_ = 4;
+  std::vector<PackTable> param_tables_, grad_tables_;
+  std::vector<std::vector<Range>> staging_gaps_;
+  Buffer<unsigned char> param_flat_;
+  Buffer<float> master_;
+  Buffer<float> state_[2];
+  Buffer<float> grad_flat_;
+  Buffer<float> staging_;
+  Buffer<float> grad_shard_;
+  int micro_ = 0;
+  std::uint64_t step_ = 0;
+  bool synced_ = false;
+};
+
+}  // namespace tandem

@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: Apache-2.0
+// AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization"), as PyTorch's torch.optim.AdamW:
+//
+//   g  = grad_scale * grad
+//   w  = w * (1 - lr * weight_decay)                   decoupled weight decay
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g^2
+//   w  = w - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// over a flat range, elementwise (so the state shards freely), fp32 maths, the parameter-dtype write fused.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "tandem/core/error.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/kernels/optimizer.hpp"
+
+namespace tandem {
+
+struct AdamWOptions {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+};
+
+struct AdamW {
+  using Options = AdamWOptions;
+  static constexpr const char* name = "AdamW";
+  static constexpr bool elementwise = true;
+
+  static std::size_t state_count(const Options&) { return 2; }  // m, v
+
+  static void validate(const Options& o) {
+    auto bad = [](const char* what, float value, const char* rule) {
+      detail::fail(std::string("tandem: AdamWOptions::") + what + " is " + std::to_string(value) + "; " + rule);
+    };
+    if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) bad("lr", o.lr, "it must be finite and >= 0");
+    if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f)) bad("beta1", o.beta1, "it must be in [0, 1)");
+    if (!(o.beta2 >= 0.0f && o.beta2 < 1.0f)) bad("beta2", o.beta2, "it must be in [0, 1)");
+    if (!(o.eps > 0.0f) || !std::isfinite(o.eps)) bad("eps", o.eps, "it must be finite and > 0");
+    if (!(o.weight_decay >= 0.0f) || !std::isfinite(o.weight_decay))
+      bad("weight_decay", o.weight_decay, "it must be finite and >= 0");
+  }
+
+  /// Per-step scalars, from the options and the 1-based step number t.
+  struct Scalars {
+    float beta1, beta2, eps;
+    float decay;         ///< 1 - lr * weight_decay
+    float step_size;     ///< lr / (1 - beta1^t)
+    float inv_sqrt_bc2;  ///< 1 / sqrt(1 - beta2^t)
+  };
+
+  static Scalars scalars(const Options& o, std::uint64_t t) {
+    const double bc1 = 1.0 - std::pow(double{o.beta1}, static_cast<double>(t));
+    const double bc2 = 1.0 - std::pow(double{o.beta2}, static_cast<double>(t));
+    return {o.beta1,
+            o.beta2,
+            o.eps,
+            1.0f - o.lr * o.weight_decay,
+            static_cast<float>(double{o.lr} / bc1),
+            static_cast<float>(1.0 / std::sqrt(bc2))};
+  }
+
+  template <class P>
+  struct Body {
+    UpdateArgs<P> a;
+    Scalars s;
+
+    TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
+        const float g = a.grad_scale * a.grad[i];
+        float& m = a.state[0][i];
+        float& v = a.state[1][i];
+        float w = a.master[i] * s.decay;
+        m = s.beta1 * m + (1.0f - s.beta1) * g;
+        v = s.beta2 * v + (1.0f - s.beta2) * g * g;
+        w = w - s.step_size * m / (sqrtf(v) * s.inv_sqrt_bc2 + s.eps);
+        a.master[i] = w;
+        a.param[i] = convert<P>(w);
+      });
+    }
+  };
+};
+
+}  // namespace tandem

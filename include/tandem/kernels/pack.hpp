@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// Multi-tensor pack and unpack: one launch moves every tensor of a bucket between the user's scattered
+// buffers and the bucket's flat storage, fused with a scale and a dtype cast.
+//
+// Layout: the bucket is one flat array; tensor k of the bucket sits at tensors[k].offset (16-byte aligned,
+// see core/plan.hpp). Work items are chunks of at most `chunk_elements` elements of one tensor (the jagged
+// grid: a tensor gets blocks in proportion to its size), listed once at plan time in `items`, so a step does
+// no host work beyond the launch, has no kernel-parameter limit, and the tables can live in device memory.
+// Each item is a cast_segment (kernels/vector.hpp): 16-byte vectors with scalar head and tail.
+//
+//   pack   (user -> bucket): bucket[offset + j] (=|+=) cast<BucketT>(scale * user[j])
+//   unpack (bucket -> user): user[j] = cast<UserT>(scale * bucket[offset + j])
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "tandem/core/config.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/kernels/vector.hpp"
+
+namespace tandem {
+
+/// Elements per pack work item: 16 KiB of fp32, a multiple of every vector group.
+inline constexpr std::size_t pack_chunk_elements = 4096;
+
+enum class PackDirection { to_bucket, from_bucket };
+
+/// One tensor of a bucket: the user's buffer and where the tensor sits in the bucket.
+struct PackTensor {
+  void* user = nullptr;
+  std::size_t offset = 0;  ///< elements from the bucket's start
+  std::size_t numel = 0;
+};
+
+/// One work item: elements [begin, begin + count) of bucket tensor `tensor`.
+struct PackItem {
+  std::uint32_t tensor = 0;
+  std::uint32_t count = 0;
+  std::uint64_t begin = 0;
+};
+
+/// The item tables of one bucket, built once from the plan.
+struct PackTable {
+  std::vector<PackTensor> tensors;
+  std::vector<PackItem> items;
+};
+
+/// Builds bucket `b`'s table; user_pointers[i] is layout tensor i's buffer (param or grad).
+inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vector<void*>& user_pointers,
+                                 std::size_t chunk_elements = pack_chunk_elements) {
+  if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
+    detail::fail("tandem: pack chunk_elements must be a positive multiple of 16 below 2^32");
+  const Bucket& bucket = plan.bucket(b);
+  PackTable table;
+  table.tensors.reserve(bucket.tensors.size());
+  for (std::size_t k = 0; k < bucket.tensors.size(); ++k) {
+    const std::size_t i = bucket.tensors[k];
+    const Placement& at = plan.placement(i);
+    table.tensors.push_back({user_pointers[i], at.offset, at.numel});
+    const std::size_t numel = at.numel;
+    for (std::size_t begin = 0; begin < numel; begin += chunk_elements)
+      table.items.push_back({static_cast<std::uint32_t>(k),
+                             static_cast<std::uint32_t>(std::min(chunk_elements, numel - begin)), begin});
+  }
+  return table;
+}
+
+/// The body of a pack or unpack launch over one bucket.
+template <class UserT, class BucketT, PackDirection Direction, WriteMode Mode = WriteMode::assign>
+struct PackBody {
+  const PackItem* items;
+  const PackTensor* tensors;
+  BucketT* bucket;
+  float scale;
+
+  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+    const PackItem it = items[item];
+    const PackTensor t = tensors[it.tensor];
+    UserT* user = static_cast<UserT*>(t.user) + it.begin;
+    BucketT* flat = bucket + t.offset + it.begin;
+    if constexpr (Direction == PackDirection::to_bucket) {
+      detail::cast_segment<UserT, BucketT, Mode>(user, flat, it.count, scale, lane, lanes);
+    } else {
+      static_assert(Mode == WriteMode::assign, "unpack overwrites the user's buffers");
+      detail::cast_segment<BucketT, UserT, Mode>(flat, user, it.count, scale, lane, lanes);
+    }
+  }
+};
+
+}  // namespace tandem

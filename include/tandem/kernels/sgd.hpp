@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: Apache-2.0
+// SGD with momentum, dampening, Nesterov and (coupled) weight decay, as PyTorch's torch.optim.SGD:
+//
+//   g = grad_scale * grad + weight_decay * w
+//   b = g                                    on the first step
+//   b = momentum * b + (1 - dampening) * g   afterwards
+//   g = g + momentum * b   (Nesterov)   or   g = b
+//   w = w - lr * g
+//
+// over a flat range, elementwise. Without momentum no state is kept.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/kernels/optimizer.hpp"
+
+namespace tandem {
+
+struct SGDOptions {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float dampening = 0.0f;
+  float weight_decay = 0.0f;
+  Nesterov nesterov = Nesterov::off;
+};
+
+struct SGD {
+  using Options = SGDOptions;
+  static constexpr const char* name = "SGD";
+  static constexpr bool elementwise = true;
+
+  static std::size_t state_count(const Options& o) { return o.momentum != 0.0f ? 1 : 0; }
+
+  static void validate(const Options& o) {
+    auto bad = [](const char* what, float value, const char* rule) {
+      detail::fail(std::string("tandem: SGDOptions::") + what + " is " + std::to_string(value) + "; " + rule);
+    };
+    if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) bad("lr", o.lr, "it must be finite and >= 0");
+    if (!(o.momentum >= 0.0f) || !std::isfinite(o.momentum)) bad("momentum", o.momentum, "it must be finite and >= 0");
+    if (!(o.dampening >= 0.0f && o.dampening <= 1.0f)) bad("dampening", o.dampening, "it must be in [0, 1]");
+    if (!(o.weight_decay >= 0.0f) || !std::isfinite(o.weight_decay))
+      bad("weight_decay", o.weight_decay, "it must be finite and >= 0");
+    if (o.nesterov == Nesterov::on && (o.momentum <= 0.0f || o.dampening != 0.0f))
+      detail::fail("tandem: SGDOptions::nesterov needs momentum > 0 and dampening == 0 (as in PyTorch)");
+  }
+
+  struct Scalars {
+    float lr, momentum, dampening, weight_decay;
+    bool first_step;
+    bool nesterov;
+    bool has_momentum;
+  };
+
+  static Scalars scalars(const Options& o, std::uint64_t t) {
+    return {o.lr, o.momentum, o.dampening, o.weight_decay, t == 1, o.nesterov == Nesterov::on, o.momentum != 0.0f};
+  }
+
+  template <class P>
+  struct Body {
+    UpdateArgs<P> a;
+    Scalars s;
+
+    TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
+        float w = a.master[i];
+        float g = a.grad_scale * a.grad[i] + s.weight_decay * w;
+        if (s.has_momentum) {
+          float& b = a.state[0][i];
+          b = s.first_step ? g : s.momentum * b + (1.0f - s.dampening) * g;
+          g = s.nesterov ? g + s.momentum * b : b;
+        }
+        w = w - s.lr * g;
+        a.master[i] = w;
+        a.param[i] = convert<P>(w);
+      });
+    }
+  };
+};
+
+}  // namespace tandem

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sum of squares of a flat fp32 range, for global-norm clipping. The range is cut into fixed chunks of
+// sum_squares_chunk_elements; each work item returns its chunk's sum in double, and the backend adds the
+// chunk sums in item order. The chunking is fixed, so the result does not depend on how many threads run.
+#pragma once
+
+#include <cstddef>
+
+#include "tandem/core/config.hpp"
+
+namespace tandem {
+
+inline constexpr std::size_t sum_squares_chunk_elements = 4096;
+
+constexpr std::size_t sum_squares_items(std::size_t n) {
+  return (n + sum_squares_chunk_elements - 1) / sum_squares_chunk_elements;
+}
+
+struct SumSquaresBody {
+  const float* x = nullptr;
+  std::size_t n = 0;
+
+  /// The part of chunk `item` that lane `lane` of `lanes` owns; lane partials are added by the caller.
+  TANDEM_HD double operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+    const std::size_t begin = item * sum_squares_chunk_elements;
+    const std::size_t end = begin + sum_squares_chunk_elements < n ? begin + sum_squares_chunk_elements : n;
+    double s = 0.0;
+    for (std::size_t i = begin + lane; i < end; i += lanes) s += double{x[i]} * double{x[i]};
+    return s;
+  }
+};
+
+}  // namespace tandem

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// OptimizerSharded (ZeRO stage 1): full local gradients, reduce-scattered at the accumulation boundary; each
+// rank keeps the master weights and optimizer state of its 1/N shard, updates it, and the parameter shards
+// are all-gathered in place. Collectives per step: reduce-scatter(grads) + all-gather(params).
+#pragma once
+
+#include "tandem/policy/policy.hpp"
+
+namespace tandem {
+
+namespace detail {
+
+/// The collectives both sharded policies run on a bucket: in-place reduce-scatter and all-gather.
+struct ShardedCollectives {
+  template <Communicator C>
+  static void reduce_gradients(C& comm, const BucketView& b) {
+    float* mine = b.grad + static_cast<std::size_t>(b.rank) * b.shard_size;
+    comm.reduce_scatter(b.grad, mine, b.shard_size, DType::fp32, ReduceOp::sum, b.stream);
+  }
+
+  template <Communicator C>
+  static void gather_parameters(C& comm, const BucketView& b) {
+    auto* base = static_cast<unsigned char*>(b.param);
+    const unsigned char* mine = base + static_cast<std::size_t>(b.rank) * b.shard_size * dtype_size(b.param_dtype);
+    comm.all_gather(mine, base, b.shard_size, b.param_dtype, b.stream);
+  }
+};
+
+}  // namespace detail
+
+struct OptimizerSharded : detail::ShardedCollectives {
+  static constexpr const char* name = "OptimizerSharded";
+  static constexpr StateSharding state = StateSharding::sharded;
+  static constexpr GradientReduction reduction = GradientReduction::at_boundary;
+};
+
+}  // namespace tandem

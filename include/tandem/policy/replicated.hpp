@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: Apache-2.0
+// Replicated (PyTorch DDP): full gradients all-reduced, full optimizer state on every rank, every rank
+// updates every parameter. Collectives per step: all-reduce(grads).
+#pragma once
+
+#include "tandem/policy/policy.hpp"
+
+namespace tandem {
+
+struct Replicated {
+  static constexpr const char* name = "Replicated";
+  static constexpr StateSharding state = StateSharding::replicated;
+  static constexpr GradientReduction reduction = GradientReduction::at_boundary;
+
+  template <Communicator C>
+  static void reduce_gradients(C& comm, const BucketView& b) {
+    comm.all_reduce(b.grad, b.grad, b.size, DType::fp32, ReduceOp::sum, b.stream);
+  }
+
+  template <Communicator C>
+  static void gather_parameters(C&, const BucketView&) {}  // every rank already holds every update
+};
+
+}  // namespace tandem

@@ -1,0 +1,25 @@
+// SPDX-License-Identifier: Apache-2.0
+// The umbrella header: everything tandem offers on the host backend.
+#pragma once
+
+#include "tandem/backend/host.hpp"
+#include "tandem/backend/launch.hpp"
+#include "tandem/comm/communicator.hpp"
+#include "tandem/comm/local_group.hpp"
+#include "tandem/core/config.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/core/stream.hpp"
+#include "tandem/core/tensor.hpp"
+#include "tandem/front/data_parallel.hpp"
+#include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/optimizer.hpp"
+#include "tandem/kernels/pack.hpp"
+#include "tandem/kernels/sgd.hpp"
+#include "tandem/kernels/sum_squares.hpp"
+#include "tandem/kernels/vector.hpp"
+#include "tandem/policy/gradient_sharded.hpp"
+#include "tandem/policy/optimizer_sharded.hpp"
+#include "tandem/policy/policy.hpp"
+#include "tandem/policy/replicated.hpp"

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+#
+# Builds and runs tests/consumer against tandem, from ctest (tests consumer_package / consumer_subdirectory):
+#   cmake -DMODE=package|subdirectory -DSOURCE_DIR=<tandem source> -DCONSUMER_DIR=<tests/consumer>
+#         -DWORK_DIR=<scratch dir> -DGENERATOR=<generator> [-DMAKE_PROGRAM=<ninja>] [-DCXX_COMPILER=<c++>]
+#         [-DBUILD_TYPE=<config>] [-DVERSION=<tandem version>] -P run_consumer.cmake
+# package:      configure tandem (tests, examples, benchmarks and CUDA off), install it into WORK_DIR/prefix, then
+#               build the consumer with find_package(tandem VERSION) against that prefix.
+# subdirectory: build the consumer with add_subdirectory(SOURCE_DIR), CUDA off; tandem's tests must default OFF.
+# Both then run the consumer and check that it prints "tandem VERSION".
+cmake_minimum_required(VERSION 3.25)
+
+foreach(var IN ITEMS MODE SOURCE_DIR CONSUMER_DIR WORK_DIR GENERATOR)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run_consumer.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+if(NOT BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
+
+# run(<step> <command>...): runs the command, echoing its output only when it fails.
+function(run step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT result EQUAL 0)
+    list(JOIN ARGN " " command)
+    message(FATAL_ERROR "consumer (${MODE}): ${step} failed (${result}):\n  ${command}\n${out}")
+  endif()
+  set(run_output "${out}" PARENT_SCOPE)
+endfunction()
+
+set(common_args -G "${GENERATOR}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}" -DTANDEM_ENABLE_CUDA=OFF)
+if(MAKE_PROGRAM)
+  list(APPEND common_args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+endif()
+if(CXX_COMPILER)
+  list(APPEND common_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+endif()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+set(consumer_build "${WORK_DIR}/consumer-build")
+
+if(MODE STREQUAL "package")
+  set(tandem_build "${WORK_DIR}/tandem-build")
+  set(prefix "${WORK_DIR}/prefix")
+  run("configure tandem" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${tandem_build}" ${common_args}
+      -DTANDEM_BUILD_TESTS=OFF -DTANDEM_BUILD_EXAMPLES=OFF -DTANDEM_BUILD_BENCHMARKS=OFF
+      "-DCMAKE_INSTALL_PREFIX=${prefix}")
+  run("build tandem" "${CMAKE_COMMAND}" --build "${tandem_build}" --config "${BUILD_TYPE}")
+  run("install tandem" "${CMAKE_COMMAND}" --install "${tandem_build}" --config "${BUILD_TYPE}")
+  run("configure consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${consumer_build}" ${common_args}
+      -DTANDEM_CONSUMER_MODE=package "-DTANDEM_EXPECTED_VERSION=${VERSION}" "-DCMAKE_PREFIX_PATH=${prefix}"
+      -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+  # find_package must have picked the fresh install, not some other tandem on this machine.
+  file(STRINGS "${consumer_build}/CMakeCache.txt" found_dir REGEX "^tandem_DIR:")
+  string(FIND "${found_dir}" "${prefix}/" at)
+  if(NOT at GREATER -1)
+    message(FATAL_ERROR "consumer (package): find_package(tandem) used ${found_dir}, not the install in ${prefix}")
+  endif()
+elseif(MODE STREQUAL "subdirectory")
+  run("configure consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${consumer_build}" ${common_args}
+      -DTANDEM_CONSUMER_MODE=subdirectory "-DTANDEM_SOURCE_DIR=${SOURCE_DIR}")
+  # As a subproject, tandem must not build its tests, examples or benchmarks by default.
+  file(STRINGS "${consumer_build}/CMakeCache.txt" on_by_default REGEX "^TANDEM_BUILD_[A-Z]+:BOOL=ON$")
+  if(on_by_default)
+    message(FATAL_ERROR "consumer (subdirectory): defaults must be OFF for a subproject, got: ${on_by_default}")
+  endif()
+else()
+  message(FATAL_ERROR "run_consumer.cmake: MODE must be 'package' or 'subdirectory' (got '${MODE}')")
+endif()
+
+run("build consumer" "${CMAKE_COMMAND}" --build "${consumer_build}" --config "${BUILD_TYPE}")
+run("run consumer" "${consumer_build}/bin/consumer")
+message(STATUS "consumer (${MODE}): ${run_output}")
+string(FIND "${run_output}" "tandem ${VERSION}" at)
+if(VERSION AND at EQUAL -1)
+  message(FATAL_ERROR "consumer (${MODE}): expected 'tandem ${VERSION}' in the output, got: ${run_output}")
+endif()

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper, for each dtype the
+// library uses, so that nvcc proves the bodies are host+device clean (CI has nvcc but no GPU). The CUDA
+// backend's real wrappers have the same shape.
+#include <tandem/tandem.hpp>
+
+namespace {
+
+template <class Body>
+__global__ void run_body(Body body, std::size_t items) {
+  tandem::for_each_item_of_block(blockIdx.x, gridDim.x, items,
+                                 [&](std::size_t item) { body(item, threadIdx.x, blockDim.x); });
+}
+
+template <class Body>
+__global__ void run_sum(Body body, std::size_t items, double* lane_partials) {
+  double s = 0.0;
+  tandem::for_each_item_of_block(blockIdx.x, gridDim.x, items,
+                                 [&](std::size_t item) { s += body(item, threadIdx.x, blockDim.x); });
+  lane_partials[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+template <class T>
+void instantiate_for() {
+  using namespace tandem;
+  const LaunchShape s = launch_shape(1);
+  run_body<<<s.grid, s.block>>>(PackBody<T, float, PackDirection::to_bucket>{}, 1);
+  run_body<<<s.grid, s.block>>>(PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{}, 1);
+  run_body<<<s.grid, s.block>>>(PackBody<T, T, PackDirection::to_bucket>{}, 1);
+  run_body<<<s.grid, s.block>>>(PackBody<T, T, PackDirection::from_bucket>{}, 1);
+  run_body<<<s.grid, s.block>>>(PackBody<float, T, PackDirection::to_bucket>{}, 1);
+  run_body<<<s.grid, s.block>>>(CastBody<T, float>{}, 1);
+  run_body<<<s.grid, s.block>>>(AdamW::Body<T>{}, 1);
+  run_body<<<s.grid, s.block>>>(SGD::Body<T>{}, 1);
+}
+
+}  // namespace
+
+void tandem_instantiate_bodies() {
+  instantiate_for<float>();
+  instantiate_for<tandem::BFloat16>();
+  instantiate_for<tandem::Float16>();
+  run_body<<<1, tandem::block_threads>>>(tandem::CastBody<float, float, tandem::WriteMode::accumulate>{}, 1);
+  run_sum<<<1, tandem::block_threads>>>(tandem::SumSquaresBody{}, 1, nullptr);
+}

@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+// The spine: N ranks training under each policy end every step with the parameters one rank reaches on
+// the whole global batch. The reference is independent of tandem's step: one model trained on the whole
+// batch with plain-loop optimizers written here from the formulas. One generic testbed, typed over policies.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "../examples/mlp/mlp.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+const std::vector<int> dims = {13, 37, 29, 23, 19, 7};  // 11 tensors, odd sizes
+constexpr int global_batch = 24;                         // divisible by 1, 2, 3, 4
+constexpr int train_steps = 50;
+constexpr std::uint64_t init_seed = 42;
+
+enum class Opt { adamw, sgd };
+
+struct Config {
+  int world = 1;
+  int accumulation = 1;
+  float max_grad_norm = 0.0f;
+  Opt optimizer = Opt::adamw;
+  bool owned_storage = false;
+  std::size_t bucket_cap_bytes = 2048;  // small: many buckets, tensors straddling shards
+};
+
+const tandem::AdamWOptions adamw_options{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f};
+const tandem::SGDOptions sgd_options{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on};
+
+const mlp::Dataset& dataset() {
+  static const mlp::Dataset data(global_batch * 4 * train_steps, dims.front(), dims.back(), 7);
+  return data;
+}
+
+// Trained parameters as floats, tensor by tensor.
+using Params = std::vector<std::vector<float>>;
+
+template <class T>
+Params to_float(const std::vector<std::vector<T>>& p) {
+  Params out(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i)
+    for (const T& v : p[i]) out[i].push_back(static_cast<float>(v));
+  return out;
+}
+
+// ---- the reference: one rank, the whole global batch, plain loops -------------------------------------------
+
+// `pieces` > 1 computes each step's whole-batch gradient as the mean of that many sub-batch gradients: the
+// same mathematics in another summation order. How far that moves the result is the model's own rounding
+// noise floor, which 16-bit parameters amplify (a master weight that crosses a rounding boundary flips a
+// parameter by one ulp, and the forward pass carries the flip on).
+template <class T>
+Params train_reference(const Config& c, int pieces = 1) {
+  mlp::Mlp<T> model(dims, init_seed);
+  const std::size_t nt = model.params().size();
+  Params master = to_float(model.params()), m(nt), v(nt);
+  for (std::size_t i = 0; i < nt; ++i) {
+    m[i].assign(master[i].size(), 0.0f);
+    v[i].assign(master[i].size(), 0.0f);
+  }
+  const int batch = global_batch * c.accumulation;
+  for (int step = 1; step <= train_steps; ++step) {
+    Params g;
+    for (int p = 0; p < pieces; ++p) {
+      model.forward_backward(dataset(), (step - 1) * batch + p * batch / pieces, batch / pieces);
+      Params part = to_float(model.grads());
+      if (p == 0) g = part;
+      else
+        for (std::size_t i = 0; i < g.size(); ++i)
+          for (std::size_t e = 0; e < g[i].size(); ++e) g[i][e] += part[i][e];
+    }
+    if (pieces > 1)
+      for (auto& t : g)
+        for (float& e : t) e /= static_cast<float>(pieces);
+    if (c.max_grad_norm > 0.0f) {
+      double sq = 0;
+      for (auto& t : g)
+        for (float e : t) sq += double{e} * e;
+      const double norm = std::sqrt(sq);
+      if (norm > c.max_grad_norm) {
+        const float coef = static_cast<float>(c.max_grad_norm / (norm + 1e-6));
+        for (auto& t : g)
+          for (float& e : t) e *= coef;
+      }
+    }
+    for (std::size_t i = 0; i < nt; ++i)
+      for (std::size_t e = 0; e < master[i].size(); ++e) {
+        float& w = master[i][e];
+        const float ge = g[i][e];
+        if (c.optimizer == Opt::adamw) {
+          const auto& o = adamw_options;
+          w *= 1.0f - o.lr * o.weight_decay;
+          m[i][e] = o.beta1 * m[i][e] + (1.0f - o.beta1) * ge;
+          v[i][e] = o.beta2 * v[i][e] + (1.0f - o.beta2) * ge * ge;
+          const double mhat = m[i][e] / (1.0 - std::pow(double{o.beta1}, step));
+          const double vhat = v[i][e] / (1.0 - std::pow(double{o.beta2}, step));
+          w = static_cast<float>(w - o.lr * mhat / (std::sqrt(vhat) + o.eps));
+        } else {
+          const auto& o = sgd_options;
+          float d = ge + o.weight_decay * w;
+          m[i][e] = step == 1 ? d : o.momentum * m[i][e] + d;
+          d = d + o.momentum * m[i][e];
+          w -= o.lr * d;
+        }
+        model.params()[i][e] = T(w);
+      }
+  }
+  return to_float(model.params());
+}
+
+// ---- tandem: N ranks as threads ------------------------------------------------------------------------------
+
+template <class Policy, class Optimizer, class T>
+Params train_tandem(const Config& c, const typename Optimizer::Options& options) {
+  Params result;
+  std::mutex m;
+  tandem::LocalGroup group(c.world);
+  group.run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<T> model(dims, init_seed + static_cast<std::uint64_t>(comm.rank()) * 1000);  // rank 0's init wins
+    tandem::DataParallelOptions dpo{.bucket_cap_bytes = c.bucket_cap_bytes,
+                                    .first_bucket_cap_bytes = c.bucket_cap_bytes / 2,
+                                    .accumulation_steps = c.accumulation,
+                                    .max_grad_norm = c.max_grad_norm};
+    std::vector<tandem::TensorRef> refs = model.tensors();
+    auto run = [&](auto& dp, auto&& sync_in, auto&& sync_out) {
+      sync_in();
+      dp.broadcast_parameters(0);
+      const int local = global_batch / c.world;
+      for (int step = 0; step < train_steps; ++step)
+        for (int micro = 0; micro < c.accumulation; ++micro) {
+          const int begin = (step * c.accumulation + micro) * global_batch + comm.rank() * local;
+          sync_out();  // the model reads its parameters (tandem's views or its own buffers)
+          model.forward_backward(dataset(), begin, local);
+          sync_in();
+          const tandem::StepResult r = dp.step();
+          REQUIRE(r.updated == (micro + 1 == c.accumulation));
+        }
+      sync_out();
+    };
+    if (!c.owned_storage) {
+      tandem::DataParallel<Policy, Optimizer> dp(comm, refs, options, dpo);
+      run(dp, [] {}, [] {});
+    } else {
+      std::vector<tandem::TensorSpec> specs;
+      for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
+      tandem::DataParallel<Policy, Optimizer> dp(comm, specs, options, dpo);
+      // The model keeps its own buffers here; copying through the views stands in for a model that
+      // computes on them directly (params out of the views before forward, grads into them after).
+      auto params_to_views = [&] {
+        for (std::size_t i = 0; i < refs.size(); ++i)
+          std::memcpy(dp.tensor(i).param, model.params()[i].data(), refs[i].numel * sizeof(T));
+      };
+      auto grads_to_views = [&] {
+        for (std::size_t i = 0; i < refs.size(); ++i) {
+          auto* g = static_cast<float*>(dp.tensor(i).grad);
+          for (std::size_t e = 0; e < refs[i].numel; ++e) g[e] += static_cast<float>(model.grads()[i][e]);
+        }
+      };
+      auto views_to_params = [&] {
+        for (std::size_t i = 0; i < refs.size(); ++i)
+          std::memcpy(model.params()[i].data(), dp.tensor(i).param, refs[i].numel * sizeof(T));
+      };
+      bool first = true;
+      run(
+          dp,
+          [&] {
+            if (first) params_to_views(), first = false;
+            else grads_to_views();
+          },
+          views_to_params);
+    }
+    if (comm.rank() == c.world - 1) {  // any rank: all must agree, checked below via rank 0 vs last
+      std::lock_guard lock(m);
+      result = to_float(model.params());
+    }
+  });
+  return result;
+}
+
+double max_relative_error(const Params& a, const Params& ref) {
+  double worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    double d = 0, r = 0;
+    for (std::size_t e = 0; e < ref[i].size(); ++e) {
+      d += double(a[i][e] - ref[i][e]) * double(a[i][e] - ref[i][e]);
+      r += double{ref[i][e]} * ref[i][e];
+    }
+    worst = std::max(worst, std::sqrt(d / r));
+  }
+  return worst;
+}
+
+bool bitwise_equal(const Params& a, const Params& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+template <class T>
+Params train_policy(int which, const Config& c) {
+  auto go = [&](auto policy) {
+    using P = decltype(policy);
+    if (c.optimizer == Opt::adamw) return train_tandem<P, tandem::AdamW, T>(c, adamw_options);
+    return train_tandem<P, tandem::SGD, T>(c, sgd_options);
+  };
+  if (which == 0) return go(tandem::Replicated{});
+  if (which == 1) return go(tandem::OptimizerSharded{});
+  return go(tandem::GradientSharded{});
+}
+
+const char* policy_name(int which) {
+  return which == 0 ? "Replicated" : which == 1 ? "OptimizerSharded" : "GradientSharded";
+}
+
+// Runs every policy at world sizes 1-4 against the reference; returns the per-world results per policy.
+enum class Bitwise {
+  all_policies,         // Replicated == OptimizerSharded == GradientSharded, bit for bit
+  all_but_zero2         // GradientSharded sums micro-steps after the reduction: equal within the tolerance only
+};
+
+// fp32: within `tolerance` of the reference. 16-bit parameters: within 4x the noise floor (see
+// train_reference), or `tolerance` if larger.
+template <class T>
+void check_equivalence(Config c, double tolerance, Bitwise bitwise) {
+  const Params ref = train_reference<T>(c);
+  if constexpr (!std::is_same_v<T, float>) {
+    const double floor = max_relative_error(train_reference<T>(c, 3), ref);
+    INFO("16-bit noise floor " << floor);
+    REQUIRE(floor < 1e-2);
+    tolerance = std::max(tolerance, 4 * floor);
+  }
+  for (int world = 1; world <= 4; ++world) {
+    c.world = world;
+    Params first;
+    for (int which = 0; which < 3; ++which) {
+      CAPTURE(world);
+      CAPTURE(policy_name(which));
+      const Params got = train_policy<T>(which, c);
+      const double err = max_relative_error(got, ref);
+      INFO("relative error " << err << ", tolerance " << tolerance);
+      CHECK(err <= tolerance);
+      if (which == 0) {
+        first = got;
+        CHECK(bitwise_equal(got, train_policy<T>(which, c)));  // two runs: the same bits
+      } else if (which == 1 || bitwise == Bitwise::all_policies) {
+        CHECK(bitwise_equal(got, first));
+      } else {
+        CHECK(max_relative_error(got, first) <= tolerance);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fp32 AdamW: every policy at world sizes 1-4 equals single-rank training; bitwise across policies") {
+  check_equivalence<float>(Config{}, 1e-5, Bitwise::all_policies);
+}
+
+TEST_CASE("fp32 SGD with Nesterov momentum: the same guarantees") {
+  check_equivalence<float>(Config{.optimizer = Opt::sgd}, 1e-5, Bitwise::all_policies);
+}
+
+TEST_CASE("global-norm clipping active on every step") {
+  check_equivalence<float>(Config{.max_grad_norm = 0.05f}, 1e-5, Bitwise::all_policies);
+}
+
+TEST_CASE("4-step gradient accumulation") {
+  check_equivalence<float>(Config{.accumulation = 4}, 1e-5, Bitwise::all_but_zero2);
+}
+
+TEST_CASE("4-step accumulation with clipping and SGD") {
+  check_equivalence<float>(Config{.accumulation = 4, .max_grad_norm = 0.05f, .optimizer = Opt::sgd}, 1e-5,
+                           Bitwise::all_but_zero2);
+}
+
+TEST_CASE("bf16 parameters with fp32 master weights") {
+  check_equivalence<tandem::BFloat16>(Config{}, 1e-5, Bitwise::all_policies);
+}
+
+TEST_CASE("fp16 parameters with fp32 master weights, accumulation and clipping") {
+  check_equivalence<tandem::Float16>(Config{.accumulation = 4, .max_grad_norm = 0.05f}, 1e-5, Bitwise::all_but_zero2);
+}
+
+TEST_CASE("zero-copy (owned storage)") {
+  check_equivalence<float>(Config{.owned_storage = true}, 1e-5, Bitwise::all_policies);
+  check_equivalence<tandem::BFloat16>(Config{.accumulation = 4, .owned_storage = true}, 1e-5, Bitwise::all_but_zero2);
+}

@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+// Conversions against independent references: the compiler's own _Float16 (IEEE round-to-nearest-even)
+// for fp16, and a brute-force nearest-neighbour search in double for bf16.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+
+#include "tandem/core/dtype.hpp"
+
+namespace {
+
+float from_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The bf16 nearest to x (ties to the even bit pattern), found by comparing the two neighbours in double.
+std::uint16_t reference_bf16(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x)) return 0;  // checked separately
+  const std::uint16_t lo = static_cast<std::uint16_t>(u >> 16);
+  const std::uint16_t hi = static_cast<std::uint16_t>(lo + 1);
+  const double dl = std::fabs(double{from_bits(std::uint32_t{lo} << 16)} - double{x});
+  // the pattern after the largest finite one is infinity, which IEEE rounding treats as 2^128
+  const double vh = (hi & 0x7fffu) == 0x7f80u ? std::copysign(std::ldexp(1.0, 128), double{x})
+                                              : double{from_bits(std::uint32_t{hi} << 16)};
+  const double dh = std::fabs(vh - double{x});
+  if ((u & 0xffffu) == 0) return lo;
+  if (dl < dh) return lo;
+  if (dh < dl) return hi;
+  return (lo & 1u) ? hi : lo;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 from float rounds to nearest even") {
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 2'000'000; ++i) {
+    std::uint32_t u = bits(rng);
+    if (i % 4 == 0) u = (u & 0xffff0000u) | 0x8000u;  // exact ties
+    const float x = from_bits(u);
+    if (std::isnan(x)) {
+      CHECK(std::isnan(static_cast<float>(tandem::BFloat16(x))));
+      continue;
+    }
+    if (std::isinf(x)) {
+      CHECK(static_cast<float>(tandem::BFloat16(x)) == x);
+      continue;
+    }
+    const std::uint16_t want = reference_bf16(x);
+    const std::uint16_t got = tandem::BFloat16(x).bits;
+    if (got != want) FAIL("bf16(" << x << ") bits " << got << ", want " << want);
+  }
+  CHECK(tandem::BFloat16(1.0f).bits == 0x3f80);
+  CHECK(static_cast<float>(tandem::BFloat16(-2.5f)) == -2.5f);
+}
+
+#if defined(__FLT16_MAX__)
+TEST_CASE("fp16 from float matches IEEE _Float16 on every tested pattern") {
+  auto check = [](std::uint32_t u) {
+    const float x = from_bits(u);
+    const _Float16 ref = static_cast<_Float16>(x);
+    std::uint16_t want;
+    std::memcpy(&want, &ref, 2);
+    const std::uint16_t got = tandem::Float16(x).bits;
+    if (std::isnan(x)) {
+      REQUIRE((got & 0x7c00u) == 0x7c00u);
+      REQUIRE((got & 0x3ffu) != 0);
+      return;
+    }
+    if (got != want) FAIL("fp16(" << x << ") bits " << got << ", want " << want);
+  };
+  // every float whose low 13 bits are one of the interesting rounding cases, over the whole exponent range
+  for (std::uint32_t hi = 0; hi < (1u << 19); ++hi)
+    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu})
+      check((hi << 13) | lo);
+  std::mt19937 rng(2);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 2'000'000; ++i) check(bits(rng));
+}
+
+TEST_CASE("fp16 to float is exact for all 65536 patterns") {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    _Float16 ref;
+    const std::uint16_t b = static_cast<std::uint16_t>(h);
+    std::memcpy(&ref, &b, 2);
+    const float want = static_cast<float>(ref);
+    const float got = tandem::Float16::to_float(b);
+    if (std::isnan(want)) {
+      REQUIRE(std::isnan(got));
+    } else {
+      REQUIRE(std::memcmp(&want, &got, 4) == 0);
+    }
+  }
+}
+#endif
+
+TEST_CASE("dtype sizes and names") {
+  CHECK(tandem::dtype_size(tandem::DType::fp32) == 4);
+  CHECK(tandem::dtype_size(tandem::DType::bf16) == 2);
+  CHECK(tandem::dtype_size(tandem::DType::fp16) == 2);
+  CHECK(tandem::dtype_size(tandem::DType::fp64) == 8);
+  CHECK(std::string(tandem::dtype_name(tandem::DType::bf16)) == "bf16");
+}

@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+// Pack and unpack bodies over random layouts: odd sizes, misaligned user pointers, every dtype pair the
+// library uses, scale and accumulate; outputs poisoned first and every element checked against a plain
+// loop. The bodies run both as the host runs them (one lane) and as a CUDA block runs them (256 lanes,
+// grid-stride over items), so the vector head/body/tail split is exercised the way the GPU uses it.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/backend/launch.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/kernels/pack.hpp"
+
+namespace {
+
+using tandem::BFloat16;
+using tandem::Float16;
+
+enum class Lanes { host, cuda_block };
+
+// Runs body over `items` as the host backend does, or as a CUDA grid of `grid` blocks of 256 lanes would.
+template <class Body>
+void run(std::size_t items, const Body& body, Lanes lanes) {
+  if (lanes == Lanes::host) {
+    tandem::HostBackend{}.launch(items, body);
+    return;
+  }
+  const tandem::LaunchShape shape = tandem::launch_shape(items, 7);  // few blocks: grid-stride too
+  for (unsigned b = 0; b < shape.grid; ++b)
+    tandem::for_each_item_of_block(b, shape.grid, items, [&](std::size_t item) {
+      for (unsigned t = 0; t < shape.block; ++t) body(item, t, shape.block);
+    });
+}
+
+template <class T>
+float value_of(T v) {
+  return static_cast<float>(v);
+}
+
+template <class T>
+T make(float f) {
+  return T(f);
+}
+
+template <class T>
+bool same_bits(T a, T b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+struct Layout {
+  std::vector<std::size_t> sizes;
+  std::vector<std::size_t> misalign;  // elements each user pointer is shifted by
+};
+
+Layout random_layout(std::mt19937& rng) {
+  Layout l;
+  const int n = std::uniform_int_distribution<int>(1, 12)(rng);
+  for (int i = 0; i < n; ++i) {
+    const int kind = std::uniform_int_distribution<int>(0, 5)(rng);
+    std::size_t size = kind == 0   ? 0
+                       : kind == 1 ? std::uniform_int_distribution<std::size_t>(1, 9)(rng)
+                       : kind == 2 ? std::uniform_int_distribution<std::size_t>(4090, 9000)(rng)
+                                   : std::uniform_int_distribution<std::size_t>(10, 600)(rng);
+    l.sizes.push_back(size);
+    l.misalign.push_back(std::uniform_int_distribution<std::size_t>(0, 7)(rng));
+  }
+  return l;
+}
+
+// Packs user buffers of UserT into a bucket of BucketT (assign or accumulate) and unpacks back; checks all.
+template <class UserT, class BucketT>
+void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
+  const Layout l = random_layout(rng);
+  tandem::PlanOptions o;
+  o.world_size = std::uniform_int_distribution<int>(1, 4)(rng);
+  o.alignment_elements = 16 / std::min(sizeof(UserT), sizeof(BucketT));
+  o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
+  o.bucket_cap_bytes = 1 << 30;
+  o.first_bucket_cap_bytes = 1 << 30;
+  const tandem::Plan plan(l.sizes, o);
+  REQUIRE(plan.num_buckets() == 1);
+
+  // One arena for every user tensor, each at a random element misalignment from 16 bytes.
+  std::size_t arena_elems = 0;
+  std::vector<std::size_t> at;
+  for (std::size_t i = 0; i < l.sizes.size(); ++i) {
+    arena_elems = (arena_elems + 16) / 16 * 16 + l.misalign[i];
+    at.push_back(arena_elems);
+    arena_elems += l.sizes[i];
+  }
+  tandem::HostBuffer<UserT> arena(arena_elems + 16);
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  std::vector<void*> pointers;
+  for (std::size_t i = 0; i < l.sizes.size(); ++i) {
+    pointers.push_back(arena.data() + at[i]);
+    for (std::size_t e = 0; e < l.sizes[i]; ++e) arena.data()[at[i] + e] = make<UserT>(dist(rng));
+  }
+  const tandem::PackTable table = tandem::make_pack_table(plan, 0, pointers, 64 * (1 + rng() % 4));
+  const float scale = mode == tandem::WriteMode::assign ? 0.25f * static_cast<float>(1 + rng() % 3) : 0.5f;
+
+  // Poison the bucket (NaN), or fill it with known values to accumulate onto.
+  tandem::HostBuffer<BucketT> bucket(plan.total_size());
+  std::vector<BucketT> before(plan.total_size());
+  for (std::size_t e = 0; e < plan.total_size(); ++e)
+    before[e] = mode == tandem::WriteMode::assign ? make<BucketT>(std::nanf("")) : make<BucketT>(dist(rng));
+  std::memcpy(bucket.data(), before.data(), bucket.bytes());
+
+  if (mode == tandem::WriteMode::assign)
+    run(table.items.size(),
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket>{table.items.data(), table.tensors.data(),
+                                                                           bucket.data(), scale},
+        lanes);
+  else
+    run(table.items.size(),
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket, tandem::WriteMode::accumulate>{
+            table.items.data(), table.tensors.data(), bucket.data(), scale},
+        lanes);
+
+  // Reference: a plain loop per tensor; gaps between tensors must be untouched.
+  std::vector<int> covered(plan.total_size(), 0);
+  for (std::size_t i = 0; i < l.sizes.size(); ++i) {
+    const std::size_t off = plan.placement(i).offset;
+    for (std::size_t e = 0; e < l.sizes[i]; ++e) {
+      const float x = scale * value_of(arena.data()[at[i] + e]);
+      const BucketT want = mode == tandem::WriteMode::assign ? make<BucketT>(x)
+                                                            : make<BucketT>(value_of(before[off + e]) + x);
+      if (!same_bits(bucket.data()[off + e], want))
+        FAIL("tensor " << i << " element " << e << ": " << value_of(bucket.data()[off + e]) << " != " << value_of(want));
+      covered[off + e] = 1;
+    }
+  }
+  for (std::size_t e = 0; e < plan.total_size(); ++e)
+    if (!covered[e]) REQUIRE(same_bits(bucket.data()[e], before[e]));
+
+  // Unpack (bucket -> user) into poisoned user buffers: every element must equal the cast bucket value.
+  if constexpr (std::is_same_v<UserT, BucketT>) {
+    for (std::size_t e = 0; e < arena_elems; ++e) arena.data()[e] = make<UserT>(std::nanf(""));
+    const float unscale = 2.0f;
+    run(table.items.size(),
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::from_bucket>{table.items.data(), table.tensors.data(),
+                                                                             bucket.data(), unscale},
+        lanes);
+    for (std::size_t i = 0; i < l.sizes.size(); ++i)
+      for (std::size_t e = 0; e < l.sizes[i]; ++e) {
+        const UserT want = make<UserT>(unscale * value_of(bucket.data()[plan.placement(i).offset + e]));
+        if (!same_bits(arena.data()[at[i] + e], want)) FAIL("unpack tensor " << i << " element " << e);
+      }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA-block lanes", Pair, std::pair<float, float>,
+                   std::pair<BFloat16, float>, std::pair<Float16, float>, std::pair<float, BFloat16>,
+                   std::pair<BFloat16, BFloat16>, std::pair<Float16, Float16>) {
+  using UserT = typename Pair::first_type;
+  using BucketT = typename Pair::second_type;
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 60; ++trial) {
+    CAPTURE(trial);
+    const Lanes lanes = trial % 2 ? Lanes::cuda_block : Lanes::host;
+    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::assign);
+    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::accumulate);
+  }
+}
+
+TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero included") {
+  std::vector<std::uint32_t> bits = {0x7fc00001u, 0xffc12345u, 0x80000000u, 0x00000001u, 0x7f800000u};
+  std::vector<float> src(bits.size()), dst(bits.size(), 1.0f);
+  std::memcpy(src.data(), bits.data(), bits.size() * 4);
+  tandem::CastBody<float, float>{src.data(), dst.data(), src.size(), 1.0f}(0, 0, 1);
+  CHECK(std::memcmp(src.data(), dst.data(), bits.size() * 4) == 0);
+}
+
+TEST_CASE("the CUDA launch mapping visits every item exactly once") {
+  for (std::size_t items : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{65535}, std::size_t{65536},
+                            std::size_t{200001}}) {
+    for (unsigned max_blocks : {1u, 7u, 1024u, tandem::max_grid_blocks}) {
+      const tandem::LaunchShape s = tandem::launch_shape(items, max_blocks);
+      CHECK(s.block == tandem::block_threads);
+      CHECK(s.grid <= max_blocks);
+      CHECK((items == 0) == (s.grid == 0));
+      std::vector<int> hits(items, 0);
+      for (unsigned b = 0; b < s.grid; ++b)
+        tandem::for_each_item_of_block(b, s.grid, items, [&](std::size_t i) { ++hits[i]; });
+      CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+    }
+  }
+}
+
+TEST_CASE("the host backend's threaded launch visits every item exactly once") {
+  for (int threads : {1, 2, 3, 8}) {
+    tandem::HostBackend backend({.threads = threads});
+    for (std::size_t items : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{1000}}) {
+      std::vector<std::atomic<int>> hits(items);
+      backend.launch(items, [&](std::size_t i, unsigned lane, unsigned lanes) {
+        CHECK(lane == 0);
+        CHECK(lanes == 1);
+        hits[i].fetch_add(1);
+      });
+      for (auto& h : hits) CHECK(h.load() == 1);
+    }
+  }
+  CHECK_THROWS_AS(tandem::HostBackend({.threads = 0}), tandem::error);
+}
