@@ -61,11 +61,16 @@ enum class LocalCallKind : std::uint8_t { all_reduce, reduce_scatter, all_gather
 
 inline const char* local_call_name(LocalCallKind kind) {
   switch (kind) {
-    case LocalCallKind::all_reduce: return "all_reduce";
-    case LocalCallKind::reduce_scatter: return "reduce_scatter";
-    case LocalCallKind::all_gather: return "all_gather";
-    case LocalCallKind::broadcast: return "broadcast";
-    case LocalCallKind::barrier: return "barrier";
+    case LocalCallKind::all_reduce:
+      return "all_reduce";
+    case LocalCallKind::reduce_scatter:
+      return "reduce_scatter";
+    case LocalCallKind::all_gather:
+      return "all_gather";
+    case LocalCallKind::broadcast:
+      return "broadcast";
+    case LocalCallKind::barrier:
+      return "barrier";
   }
   return "?";
 }
@@ -123,11 +128,16 @@ inline bool overlap(ByteRange a, ByteRange b) {
 inline ByteRange read_range(const LocalCall& c, int rank, int size) {
   const std::size_t bytes = c.count * dtype_size(c.dtype);
   switch (c.kind) {
-    case LocalCallKind::all_reduce: return byte_range(c.send, bytes);
-    case LocalCallKind::reduce_scatter: return byte_range(c.send, bytes * static_cast<std::size_t>(size));
-    case LocalCallKind::all_gather: return byte_range(c.send, bytes);
-    case LocalCallKind::broadcast: return rank == c.root ? byte_range(c.send, bytes) : ByteRange{};
-    case LocalCallKind::barrier: break;
+    case LocalCallKind::all_reduce:
+      return byte_range(c.send, bytes);
+    case LocalCallKind::reduce_scatter:
+      return byte_range(c.send, bytes * static_cast<std::size_t>(size));
+    case LocalCallKind::all_gather:
+      return byte_range(c.send, bytes);
+    case LocalCallKind::broadcast:
+      return rank == c.root ? byte_range(c.send, bytes) : ByteRange{};
+    case LocalCallKind::barrier:
+      break;
   }
   return {};
 }
@@ -141,7 +151,8 @@ inline ByteRange write_range(const LocalCall& c, int size) {
 /// Checks one rank's own arguments; returns why they are rejected, or "" when they are fine.
 inline std::string check_call(const LocalCall& c, int rank, int size) {
   if (c.kind == LocalCallKind::barrier) return {};
-  const std::string where = std::string("tandem: ") + local_call_name(c.kind) + " on rank " + std::to_string(rank) + ": ";
+  const std::string where =
+      std::string("tandem: ") + local_call_name(c.kind) + " on rank " + std::to_string(rank) + ": ";
   const auto dtype_index = static_cast<unsigned>(c.dtype);
   if (dtype_index > static_cast<unsigned>(DType::fp64)) {
     return where + "`dtype` is " + std::to_string(dtype_index) + ", not one of DType::fp32, bf16, fp16, fp64";
@@ -192,7 +203,9 @@ inline std::string check_call(const LocalCall& c, int rank, int size) {
       in_place = send == recv + shift;
       form = "send == recv + rank * count";
       break;
-    default: in_place = send == recv; break;
+    default:
+      in_place = send == recv;
+      break;
   }
   if (!in_place && overlap(read_range(c, rank, size), write_range(c, size))) {
     return where + "`send` and `recv` overlap but are not the in-place form (" + form +
@@ -246,7 +259,7 @@ inline std::string check_calls(const LocalCall* calls, int size, int rank) {
   return check_cross_rank(calls, size);
 }
 
-// --- The work -----------------------------------------------------------------------------------------------------
+// --- The work --------------------------------------------------------------------------------------------------------
 
 /// Elements per accumulator block: 8 KiB of fp32 (16 KiB of fp64) on the stack, well inside L1 + L2.
 inline constexpr std::size_t kLocalReduceBlock = 2048;
@@ -254,33 +267,47 @@ inline constexpr std::size_t kLocalReduceBlock = 2048;
 template <class T>
 using local_accumulator_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-/// Reduces elements [src_begin, src_begin + n) of every rank's send buffer, in rank order, and writes the result at
-/// dst_begin of the recv buffer of ranks [dst_first, dst_last). Each block is read completely before it is written,
-/// so recv may alias the caller's own send in the in-place forms.
+/// Reduces `m` elements at offset `src` of every rank's send buffer, in rank order, into `acc`, then writes them at
+/// offset `dst` of the recv buffer of ranks [dst_first, dst_last). Ranks outer, elements inner: every loop is a plain
+/// stream the compiler vectorizes. Fixed > 0 is the trip count known at compile time (full blocks), which GCC's -O2
+/// cost model needs in order to vectorize; Fixed == 0 takes `m` (the tail).
+template <class T, std::size_t Fixed>
+void local_reduce_block(const LocalCall* calls, int size, std::size_t src, std::size_t m, ReduceOp op, int dst_first,
+                        int dst_last, std::size_t dst, local_accumulator_t<T>* __restrict acc) {
+  using Acc = local_accumulator_t<T>;
+  const std::size_t n = Fixed != 0 ? Fixed : m;
+  {
+    const T* __restrict s = static_cast<const T*>(calls[0].send) + src;
+    for (std::size_t i = 0; i < n; ++i) acc[i] = convert<Acc>(s[i]);
+  }
+  for (int q = 1; q < size; ++q) {
+    const T* __restrict s = static_cast<const T*>(calls[q].send) + src;
+    for (std::size_t i = 0; i < n; ++i) acc[i] += convert<Acc>(s[i]);
+  }
+  if (op == ReduceOp::avg) {
+    const Acc ranks = static_cast<Acc>(size);
+    for (std::size_t i = 0; i < n; ++i) acc[i] = acc[i] / ranks;
+  }
+  for (int q = dst_first; q < dst_last; ++q) {
+    T* __restrict d = static_cast<T*>(calls[q].recv) + dst;
+    for (std::size_t i = 0; i < n; ++i) d[i] = convert<T>(acc[i]);
+  }
+}
+
+/// Reduces elements [src_begin, src_begin + n) of every rank's send buffer and writes the result at dst_begin of the
+/// recv buffer of ranks [dst_first, dst_last), one block at a time. Each block is read completely before it is
+/// written, so recv may alias the caller's own send in the in-place forms.
 template <class T>
 void local_reduce(const LocalCall* calls, int size, std::size_t src_begin, std::size_t n, ReduceOp op, int dst_first,
                   int dst_last, std::size_t dst_begin) {
-  using Acc = local_accumulator_t<T>;
-  alignas(64) Acc block[kLocalReduceBlock];
-  const Acc ranks = static_cast<Acc>(size);
-  for (std::size_t done = 0; done < n; done += kLocalReduceBlock) {
-    const std::size_t m = std::min(kLocalReduceBlock, n - done);
-    Acc* __restrict acc = block;
-    {
-      const T* __restrict s = static_cast<const T*>(calls[0].send) + src_begin + done;
-      for (std::size_t i = 0; i < m; ++i) acc[i] = convert<Acc>(s[i]);
-    }
-    for (int q = 1; q < size; ++q) {
-      const T* __restrict s = static_cast<const T*>(calls[q].send) + src_begin + done;
-      for (std::size_t i = 0; i < m; ++i) acc[i] += convert<Acc>(s[i]);
-    }
-    if (op == ReduceOp::avg) {
-      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / ranks;
-    }
-    for (int q = dst_first; q < dst_last; ++q) {
-      T* __restrict d = static_cast<T*>(calls[q].recv) + dst_begin + done;
-      for (std::size_t i = 0; i < m; ++i) d[i] = convert<T>(acc[i]);
-    }
+  alignas(64) local_accumulator_t<T> acc[kLocalReduceBlock];
+  std::size_t done = 0;
+  for (; n - done >= kLocalReduceBlock; done += kLocalReduceBlock) {
+    local_reduce_block<T, kLocalReduceBlock>(calls, size, src_begin + done, kLocalReduceBlock, op, dst_first, dst_last,
+                                             dst_begin + done, acc);
+  }
+  if (done < n) {
+    local_reduce_block<T, 0>(calls, size, src_begin + done, n - done, op, dst_first, dst_last, dst_begin + done, acc);
   }
 }
 
@@ -325,11 +352,12 @@ inline void local_execute(const LocalCall* calls, int size, int rank) {
     case LocalCallKind::broadcast:
       if (c.recv != calls[c.root].send) std::memcpy(c.recv, calls[c.root].send, bytes);
       break;
-    case LocalCallKind::barrier: break;
+    case LocalCallKind::barrier:
+      break;
   }
 }
 
-// --- The rendezvous -----------------------------------------------------------------------------------------------
+// --- The rendezvous --------------------------------------------------------------------------------------------------
 
 inline void local_pause() {
 #if defined(__x86_64__)
@@ -501,9 +529,9 @@ class LocalGroupState {
     if (aborted_) {
       // The ranks that waited in the barrier that timed out report the timeout; a rank that arrived late (one of
       // the missing) or enters later reports the failure of the rank that timed out.
-      const bool was_waiting = waited && timed_out_generation_ == waited &&
-                               std::find(timed_out_missing_.begin(), timed_out_missing_.end(), rank) ==
-                                   timed_out_missing_.end();
+      const bool was_waiting =
+          waited && timed_out_generation_ == waited &&
+          std::find(timed_out_missing_.begin(), timed_out_missing_.end(), rank) == timed_out_missing_.end();
       if (was_waiting) throw timeout_error(timeout_message(rank, what));
       throw peer_error("tandem: rank " + std::to_string(aborted_rank_) + " failed: " + aborted_message_);
     }
@@ -516,9 +544,9 @@ class LocalGroupState {
   const std::chrono::milliseconds timeout_;
   bool oversubscribed_ = false;
   int spin_limit_ = 0;
-  std::vector<LocalCall> slots_;                            // [parity][rank]
+  std::vector<LocalCall> slots_;                           // [parity][rank]
   std::unique_ptr<std::atomic<std::uint64_t>[]> arrived_;  // per rank: 1 + the last generation it arrived in
-  alignas(64) std::atomic<int> waiting_{0};                  // ranks arrived in the current generation
+  alignas(64) std::atomic<int> waiting_{0};                // ranks arrived in the current generation
   alignas(64) std::atomic<std::uint64_t> generation_{0};
   std::atomic<bool> stop_{false};  // aborted_ or a rank departed: waiters must look under the lock
 
@@ -528,7 +556,7 @@ class LocalGroupState {
   int aborted_rank_ = -1;
   std::string aborted_message_;
   std::optional<std::uint64_t> timed_out_generation_;  // the barrier that timed out, if one did
-  std::vector<int> timed_out_missing_;                  // and the ranks it missed
+  std::vector<int> timed_out_missing_;                 // and the ranks it missed
   int departed_rank_ = -1;
   std::exception_ptr first_failure_;
   std::exception_ptr first_original_;
@@ -580,8 +608,8 @@ class LocalComm {
   friend class LocalGroup;
   LocalComm(detail::LocalGroupState& state, int rank) : state_(&state), rank_(rank) {}
 
-  void collective(detail::LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype,
-                  ReduceOp op, int root) {
+  void collective(detail::LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
+                  int root) {
     detail::LocalGroupState& state = *state_;
     const int size = state.size();
     const char* name = detail::local_call_name(kind);

@@ -1,0 +1,204 @@
+// SPDX-License-Identifier: Apache-2.0
+// Bad input is rejected with tandem::error naming the tensor or argument, before anything is written, on
+// every rank (also when only one rank is wrong), and nobody hangs: the group runs with a short timeout,
+// so a hang would surface as a timeout_error and fail the exception-type checks.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../examples/mlp/mlp.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+const std::vector<int> dims = {5, 9, 3};
+
+// Runs `body(comm, refs)` on `world` ranks; returns each rank's exception message ("" if none was thrown)
+// and checks that every exception was a tandem::error but not a timeout or peer failure.
+template <class F>
+std::vector<std::string> run_ranks(int world, F body) {
+  std::vector<std::string> messages(static_cast<std::size_t>(world));
+  std::mutex m;
+  const auto start = std::chrono::steady_clock::now();
+  tandem::LocalGroup group(world, {.timeout = 5s});
+  group.run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    std::vector<tandem::TensorRef> refs = model.tensors();
+    const std::vector<std::vector<float>> before = model.params();
+    const std::vector<std::vector<float>> grads_before = model.grads();
+    try {
+      body(comm, refs);
+    } catch (const tandem::timeout_error& e) {
+      FAIL("rank " << comm.rank() << " timed out: " << e.what());
+    } catch (const tandem::peer_error& e) {
+      FAIL("rank " << comm.rank() << " saw a peer failure: " << e.what());
+    } catch (const tandem::error& e) {
+      std::lock_guard lock(m);
+      messages[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    CHECK(model.params() == before);  // nothing written
+    CHECK(model.grads() == grads_before);
+  });
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+  return messages;
+}
+
+template <class P = tandem::Replicated>
+void construct(tandem::LocalComm& comm, const std::vector<tandem::TensorRef>& refs,
+               tandem::DataParallelOptions options = {}, tandem::AdamWOptions adamw = {}) {
+  tandem::DataParallel<P, tandem::AdamW> dp(comm, refs, adamw, options);
+}
+
+}  // namespace
+
+TEST_CASE("a null pointer on one rank: that rank names the tensor, every other rank names that rank") {
+  for (int world : {1, 3}) {
+    const auto messages = run_ranks(world, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+      if (comm.rank() == world - 1) refs[3].param = nullptr;
+      construct<tandem::GradientSharded>(comm, refs);
+    });
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      const std::string& msg = messages[static_cast<std::size_t>(r)];
+      CHECK(msg.find("tensor 3 (`layers.1.weight`): param pointer is null") != std::string::npos);
+      if (r != world - 1) CHECK(msg.find("rank " + std::to_string(world - 1) + " rejected") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("null grad, oversized numel, mixed dtypes, overlapping buffers, misaligned buffers") {
+  using Edit = void (*)(std::vector<tandem::TensorRef>&);
+  const std::vector<std::pair<Edit, std::string>> cases = {
+      {[](auto& r) { r[0].grad = nullptr; }, "tensor 0 (`input.gain`): grad pointer is null"},
+      {[](auto& r) { r[1].numel = std::size_t{1} << 60; }, "tensor 1 (`layers.0.weight`): numel"},
+      {[](auto& r) { r[2].dtype = tandem::DType::bf16; }, "tensor 2 (`layers.0.bias`): dtype bf16 differs"},
+      {[](auto& r) { r[4].grad = r[3].param; }, "overlaps"},
+      {[](auto& r) { r[2].param = static_cast<char*>(r[2].param) + 1; }, "aligned"},
+      {[](auto& r) { r[1].dtype = tandem::DType::fp64; }, "fp64 is not supported"},
+      {[](auto& r) { r.clear(); }, "no tensors"},
+  };
+  for (const auto& [edit, want] : cases) {
+    CAPTURE(want);
+    const auto messages = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+      if (comm.rank() == 1) edit(refs);
+      construct(comm, refs);
+    });
+    CHECK(messages[1].find(want) != std::string::npos);
+    CHECK(messages[0].find("rank 1 rejected its arguments") != std::string::npos);
+  }
+}
+
+TEST_CASE("a layout that differs between ranks: every rank throws, none hangs") {
+  const auto messages = run_ranks(4, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    if (comm.rank() == 2) refs[1].name = "renamed";
+    construct<tandem::OptimizerSharded>(comm, refs);
+  });
+  for (const std::string& msg : messages) CHECK(msg.find("layout differs between ranks") != std::string::npos);
+
+  const auto sizes = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    if (comm.rank() == 1) refs[4].numel -= 1;
+    construct(comm, refs);
+  });
+  for (const std::string& msg : sizes) CHECK(msg.find("rank 1 has 5 tensors of 88 elements") != std::string::npos);
+}
+
+TEST_CASE("ranks constructed with different options all throw") {
+  const auto messages = run_ranks(3, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    construct(comm, refs, {.accumulation_steps = comm.rank() == 1 ? 2 : 1});
+  });
+  for (const std::string& msg : messages) CHECK(msg.find("constructed DataParallel differently") != std::string::npos);
+}
+
+TEST_CASE("bad options name the option") {
+  const std::vector<std::pair<tandem::DataParallelOptions, std::string>> cases = {
+      {{.accumulation_steps = 0}, "accumulation_steps"},
+      {{.max_grad_norm = -1.0f}, "max_grad_norm"},
+      {{.bucket_cap_bytes = 0}, "bucket caps"},
+  };
+  for (const auto& [options, want] : cases) {
+    const auto messages = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+      construct(comm, refs, options);
+    });
+    for (const std::string& msg : messages) CHECK(msg.find(want) != std::string::npos);
+  }
+  const auto lr = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    construct(comm, refs, {}, {.lr = -1.0f});
+  });
+  CHECK(lr[0].find("AdamWOptions::lr") != std::string::npos);
+}
+
+TEST_CASE("broadcast root out of range, tensor index out of range, step before broadcast with owned storage") {
+  const auto root = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
+    dp.broadcast_parameters(2);
+  });
+  for (const std::string& msg : root) CHECK(msg.find("root 2 is out of range") != std::string::npos);
+
+  const auto index = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
+    (void)dp.tensor(refs.size());
+  });
+  CHECK(index[0].find("index out of range") != std::string::npos);
+
+  const auto early = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    std::vector<tandem::TensorSpec> specs;
+    for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
+    tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs);
+    dp.step();
+  });
+  for (const std::string& msg : early) CHECK(msg.find("broadcast_parameters()") != std::string::npos);
+}
+
+namespace {
+
+// A communicator that reports an impossible rank: rejected before any collective is attempted.
+struct BrokenComm {
+  int rank() const { return 5; }
+  int size() const { return 2; }
+  void all_reduce(const void*, void*, std::size_t, tandem::DType, tandem::ReduceOp, tandem::Stream) {}
+  void reduce_scatter(const void*, void*, std::size_t, tandem::DType, tandem::ReduceOp, tandem::Stream) {}
+  void all_gather(const void*, void*, std::size_t, tandem::DType, tandem::Stream) { FAIL("no collective expected"); }
+  void broadcast(const void*, void*, std::size_t, tandem::DType, int, tandem::Stream) {}
+  void barrier() {}
+};
+static_assert(tandem::Communicator<BrokenComm>);
+
+}  // namespace
+
+TEST_CASE("a communicator whose rank is out of range is rejected up front") {
+  BrokenComm comm;
+  mlp::Mlp<float> model(dims, 1);
+  using DP = tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::HostBackend, BrokenComm>;
+  CHECK_THROWS_WITH_AS(DP(comm, model.tensors()), doctest::Contains("rank 5 is out of range [0, 2)"), tandem::error);
+}
+
+TEST_CASE("zero-size tensors are allowed anywhere and change nothing") {
+  // Train the model twice on one rank: as is, and with empty tensors first, between, and last.
+  auto train = [](bool with_empty) {
+    std::vector<std::vector<float>> result;
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 3);
+      std::vector<tandem::TensorRef> refs = model.tensors();
+      if (with_empty) {
+        refs.insert(refs.begin(), tandem::TensorRef{"empty.first", nullptr, nullptr, 0, tandem::DType::fp32});
+        refs.insert(refs.begin() + 3, tandem::TensorRef{"empty.middle", nullptr, nullptr, 0, tandem::DType::fp32});
+        refs.push_back(tandem::TensorRef{"empty.last", nullptr, nullptr, 0, tandem::DType::fp32});
+      }
+      tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, refs, {}, {.bucket_cap_bytes = 64});
+      const mlp::Dataset data(64, dims.front(), dims.back(), 5);
+      for (int step = 0; step < 8; ++step) {
+        model.forward_backward(data, step * 8 + comm.rank() * 4, 4);
+        dp.step();
+      }
+      if (comm.rank() == 0) result = model.params();
+    });
+    return result;
+  };
+  CHECK(train(true) == train(false));
+}
