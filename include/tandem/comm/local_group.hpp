@@ -392,8 +392,8 @@ class LocalGroupState {
   int size() const { return size_; }
 
   /// Rank `rank`'s slot for its call number `seq` (slots alternate with the parity of seq).
-  LocalCall& slot(std::uint64_t seq, int rank) { return slots_[(seq & 1) * size_ + static_cast<std::size_t>(rank)]; }
-  const LocalCall* calls(std::uint64_t seq) const { return &slots_[(seq & 1) * size_]; }
+  LocalCall& slot(std::uint64_t seq, int rank) { return slots_[first_slot(seq) + static_cast<std::size_t>(rank)]; }
+  const LocalCall* calls(std::uint64_t seq) const { return &slots_[first_slot(seq)]; }
 
   /// Throws unless the group can still complete a rendezvous: peer_error when it was aborted, tandem::error when a
   /// rank already returned from its body.
@@ -499,6 +499,10 @@ class LocalGroupState {
   }
 
  private:
+  std::size_t first_slot(std::uint64_t seq) const {
+    return static_cast<std::size_t>(seq & 1) * static_cast<std::size_t>(size_);
+  }
+
   void set_aborted(int rank, const std::string& what) {  // under the lock
     aborted_message_ = what;
     aborted_rank_ = rank;

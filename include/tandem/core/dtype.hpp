@@ -125,15 +125,29 @@ struct Float16 {
   }
 };
 
-/// The DType of a C++ element type.
+/// The DType of a C++ element type: float, BFloat16, Float16 or double; other types do not compile.
 template <class T>
-inline constexpr DType dtype_of = DType::fp32;
+struct DTypeOf {
+  static_assert(sizeof(T) == 0, "tandem: no DType for this element type; use float, BFloat16, Float16 or double");
+};
 template <>
-inline constexpr DType dtype_of<BFloat16> = DType::bf16;
+struct DTypeOf<float> {
+  static constexpr DType value = DType::fp32;
+};
 template <>
-inline constexpr DType dtype_of<Float16> = DType::fp16;
+struct DTypeOf<BFloat16> {
+  static constexpr DType value = DType::bf16;
+};
 template <>
-inline constexpr DType dtype_of<double> = DType::fp64;
+struct DTypeOf<Float16> {
+  static constexpr DType value = DType::fp16;
+};
+template <>
+struct DTypeOf<double> {
+  static constexpr DType value = DType::fp64;
+};
+template <class T>
+inline constexpr DType dtype_of = DTypeOf<T>::value;
 
 /// Element conversions through float, usable on host and device: `convert<Dst>(src)`.
 template <class Dst, class Src>
@@ -145,7 +159,7 @@ TANDEM_HD inline Dst convert(Src v) {
   }
 }
 
-/// Calls `f(T{})` with the C++ type of a parameter/gradient dtype (fp32, bf16, fp16).
+/// Calls `f(T{})` with the C++ type of `t` (float, BFloat16, Float16 or double).
 template <class F>
 decltype(auto) visit_dtype(DType t, F&& f) {
   switch (t) {

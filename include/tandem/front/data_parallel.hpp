@@ -483,29 +483,28 @@ class DataParallel {
     return grad_flat_.data() + owned_range(b).begin;
   }
 
-  /// Sum over buckets b and shards r (in that order) of the squared reduced gradients of shard (b, r). Each
-  /// (b, r) term is computed by one rank the same way under every policy, so the result is bitwise the same
-  /// under every policy at a given world size.
+  /// The squared global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in
+  /// bucket order) of shard (b, r)'s sum of squares. Under sharded state each rank computes its own term and
+  /// one scalar all-reduce adds them in rank order; under replicated state each rank computes every term
+  /// itself in the same order. Either way the result is bitwise the same under every policy.
   double global_sum_of_squares() {
-    // Shard r of bucket b inside the owned range (the whole bucket under replicated state, else shard rank_).
-    auto shard_grads = [&](std::size_t b, int r) {
-      const std::size_t at = P::state == StateSharding::replicated ? static_cast<std::size_t>(r) * plan_.bucket(b).shard_size : 0;
-      return owned_grads(b) + at;
-    };
-    const std::size_t nb = plan_.num_buckets(), nr = static_cast<std::size_t>(world_);
-    std::vector<double> terms(nb * nr, 0.0);
-    for (std::size_t b = 0; b < nb; ++b) {
-      const std::size_t n = plan_.bucket(b).shard_size;
-      for (int r = 0; r < world_; ++r) {
-        if (P::state == StateSharding::sharded && r != rank_) continue;
-        terms[b * nr + static_cast<std::size_t>(r)] =
-            backend_.sum(sum_squares_items(n), SumSquaresBody{shard_grads(b, r), n}, options_.stream);
+    auto rank_term = [&](int r) {
+      double term = 0.0;
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+        const std::size_t n = plan_.bucket(b).shard_size;
+        const float* x = owned_grads(b);
+        if (P::state == StateSharding::replicated) x += static_cast<std::size_t>(r) * n;
+        term += backend_.sum(sum_squares_items(n), SumSquaresBody{x, n}, options_.stream);
       }
+      return term;
+    };
+    if (P::state == StateSharding::replicated) {
+      double total = 0.0;
+      for (int r = 0; r < world_; ++r) total += rank_term(r);
+      return total;
     }
-    if (P::state == StateSharding::sharded)
-      comm_.all_reduce(terms.data(), terms.data(), terms.size(), DType::fp64, ReduceOp::sum, options_.stream);
-    double total = 0.0;
-    for (double t : terms) total += t;
+    double total = rank_term(rank_);
+    comm_.all_reduce(&total, &total, 1, DType::fp64, ReduceOp::sum, options_.stream);
     return total;
   }
 
