@@ -3,7 +3,6 @@
 // tandem policy, next to a 1-rank baseline, and prints wall time, throughput, final loss, held-out accuracy
 // and tandem's memory per rank. The lines that make training data-parallel are marked "tandem:".
 #include <CLI/CLI.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <mutex>
@@ -39,8 +38,8 @@ Outcome train(const Settings& s, int ranks, const mlp::Dataset& train_set, const
     mlp::Mlp<float> model(s.dims, s.seed + static_cast<std::uint64_t>(comm.rank()));
     tandem::DataParallel<Policy, tandem::AdamW> dp(comm, model.tensors(), {.lr = s.lr},  // tandem: wrap
                                                    {.accumulation_steps = s.accumulation});
-    dp.broadcast_parameters();                               // tandem: rank 0's weights everywhere
-    const int local = s.batch / ranks / s.accumulation;      // this rank's share of a micro-batch
+    dp.broadcast_parameters();                           // tandem: rank 0's weights everywhere
+    const int local = s.batch / ranks / s.accumulation;  // this rank's share of a micro-batch
     double loss_sum = 0;
     int loss_count = 0;
     for (int step = 0; step < s.steps; ++step) {
@@ -49,7 +48,7 @@ Outcome train(const Settings& s, int ranks, const mlp::Dataset& train_set, const
         const int begin = global_micro * local * ranks + comm.rank() * local;  // disjoint slice per rank
         const float loss = model.forward_backward(train_set, begin, local);
         if (step >= s.steps - 20) loss_sum += loss, ++loss_count;
-        dp.step();                                           // tandem: reduce, update, regather
+        dp.step();  // tandem: reduce, update, regather
       }
     }
     if (comm.rank() == 0) {

@@ -15,7 +15,7 @@
 namespace {
 
 const std::vector<int> dims = {13, 37, 29, 23, 19, 7};  // 11 tensors, odd sizes
-constexpr int global_batch = 24;                         // divisible by 1, 2, 3, 4
+constexpr int global_batch = 24;                        // divisible by 1, 2, 3, 4
 constexpr int train_steps = 50;
 constexpr std::uint64_t init_seed = 42;
 
@@ -30,8 +30,10 @@ struct Config {
   std::size_t bucket_cap_bytes = 2048;  // small: many buckets, tensors straddling shards
 };
 
-const tandem::AdamWOptions adamw_options{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f};
-const tandem::SGDOptions sgd_options{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on};
+const tandem::AdamWOptions adamw_options{
+    .lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.05f};
+const tandem::SGDOptions sgd_options{
+    .lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on};
 
 const mlp::Dataset& dataset() {
   static const mlp::Dataset data(global_batch * 4 * train_steps, dims.front(), dims.back(), 7);
@@ -70,7 +72,8 @@ Params train_reference(const Config& c, int pieces = 1) {
     for (int p = 0; p < pieces; ++p) {
       model.forward_backward(dataset(), (step - 1) * batch + p * batch / pieces, batch / pieces);
       Params part = to_float(model.grads());
-      if (p == 0) g = part;
+      if (p == 0)
+        g = part;
       else
         for (std::size_t i = 0; i < g.size(); ++i)
           for (std::size_t e = 0; e < g[i].size(); ++e) g[i][e] += part[i][e];
@@ -145,7 +148,8 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
     };
     if (!c.owned_storage) {
       tandem::DataParallel<Policy, Optimizer> dp(comm, refs, options, dpo);
-      run(dp, [] {}, [] {});
+      run(
+          dp, [] {}, [] {});
     } else {
       std::vector<tandem::TensorSpec> specs;
       for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
@@ -170,8 +174,10 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
       run(
           dp,
           [&] {
-            if (first) params_to_views(), first = false;
-            else grads_to_views();
+            if (first)
+              params_to_views(), first = false;
+            else
+              grads_to_views();
           },
           views_to_params);
     }
@@ -222,8 +228,8 @@ const char* policy_name(int which) {
 
 // Runs every policy at world sizes 1-4 against the reference; returns the per-world results per policy.
 enum class Bitwise {
-  all_policies,         // Replicated == OptimizerSharded == GradientSharded, bit for bit
-  all_but_zero2         // GradientSharded sums micro-steps after the reduction: equal within the tolerance only
+  all_policies,  // Replicated == OptimizerSharded == GradientSharded, bit for bit
+  all_but_zero2  // GradientSharded sums micro-steps after the reduction: equal within the tolerance only
 };
 
 // fp32: within `tolerance` of the reference. 16-bit parameters: within 4x the noise floor (see

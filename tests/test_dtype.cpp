@@ -78,8 +78,7 @@ TEST_CASE("fp16 from float matches IEEE _Float16 on every tested pattern") {
   };
   // every float whose low 13 bits are one of the interesting rounding cases, over the whole exponent range
   for (std::uint32_t hi = 0; hi < (1u << 19); ++hi)
-    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu})
-      check((hi << 13) | lo);
+    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu}) check((hi << 13) | lo);
   std::mt19937 rng(2);
   std::uniform_int_distribution<std::uint32_t> bits;
   for (int i = 0; i < 2'000'000; ++i) check(bits(rng));

@@ -129,10 +129,11 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
     const std::size_t off = plan.placement(i).offset;
     for (std::size_t e = 0; e < l.sizes[i]; ++e) {
       const float x = scale * value_of(arena.data()[at[i] + e]);
-      const BucketT want = mode == tandem::WriteMode::assign ? make<BucketT>(x)
-                                                            : make<BucketT>(value_of(before[off + e]) + x);
+      const BucketT want =
+          mode == tandem::WriteMode::assign ? make<BucketT>(x) : make<BucketT>(value_of(before[off + e]) + x);
       if (!same_bits(bucket.data()[off + e], want))
-        FAIL("tensor " << i << " element " << e << ": " << value_of(bucket.data()[off + e]) << " != " << value_of(want));
+        FAIL("tensor " << i << " element " << e << ": " << value_of(bucket.data()[off + e])
+                       << " != " << value_of(want));
       covered[off + e] = 1;
     }
   }

@@ -17,11 +17,21 @@ std::vector<std::size_t> random_sizes(std::mt19937& rng) {
   std::vector<std::size_t> sizes(static_cast<std::size_t>(count(rng)));
   for (auto& n : sizes) {
     switch (kind(rng)) {
-      case 0: n = 0; break;
-      case 1: n = 1; break;
-      case 2: n = std::uniform_int_distribution<std::size_t>(2, 7)(rng); break;
-      case 3: n = std::uniform_int_distribution<std::size_t>(1000, 5000)(rng); break;
-      default: n = std::uniform_int_distribution<std::size_t>(1, 700)(rng); break;
+      case 0:
+        n = 0;
+        break;
+      case 1:
+        n = 1;
+        break;
+      case 2:
+        n = std::uniform_int_distribution<std::size_t>(2, 7)(rng);
+        break;
+      case 3:
+        n = std::uniform_int_distribution<std::size_t>(1000, 5000)(rng);
+        break;
+      default:
+        n = std::uniform_int_distribution<std::size_t>(1, 700)(rng);
+        break;
     }
   }
   return sizes;

@@ -122,9 +122,8 @@ TEST_CASE("bad options name the option") {
       {{.bucket_cap_bytes = 0}, "bucket caps"},
   };
   for (const auto& [options, want] : cases) {
-    const auto messages = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-      construct(comm, refs, options);
-    });
+    const auto messages = run_ranks(
+        2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) { construct(comm, refs, options); });
     for (const std::string& msg : messages) CHECK(msg.find(want) != std::string::npos);
   }
   const auto lr = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {

@@ -40,14 +40,16 @@ struct Dataset {
       std::vector<float> h(hidden);
       for (int j = 0; j < hidden; ++j) {
         float acc = 0;
-        for (int i = 0; i < features; ++i) acc += a[static_cast<std::size_t>(j * features + i)] * x[static_cast<std::size_t>(s * features + i)];
+        for (int i = 0; i < features; ++i)
+          acc += a[static_cast<std::size_t>(j * features + i)] * x[static_cast<std::size_t>(s * features + i)];
         h[static_cast<std::size_t>(j)] = std::tanh(acc);
       }
       int best = 0;
       float best_v = -1e30f;
       for (int c = 0; c < classes; ++c) {
         float acc = 0;
-        for (int j = 0; j < hidden; ++j) acc += b[static_cast<std::size_t>(c * hidden + j)] * h[static_cast<std::size_t>(j)];
+        for (int j = 0; j < hidden; ++j)
+          acc += b[static_cast<std::size_t>(c * hidden + j)] * h[static_cast<std::size_t>(j)];
         if (acc > best_v) best_v = acc, best = c;
       }
       y[static_cast<std::size_t>(s)] = best;
@@ -102,13 +104,15 @@ class Mlp {
     for (int s = begin; s < begin + count; ++s) {
       const float* x = &data.x[static_cast<std::size_t>(s) * static_cast<std::size_t>(data.features)];
       acts[0].resize(static_cast<std::size_t>(dims_[0]));
-      for (int i = 0; i < dims_[0]; ++i) acts[0][static_cast<std::size_t>(i)] = x[i] * gain[static_cast<std::size_t>(i)];
+      for (int i = 0; i < dims_[0]; ++i)
+        acts[0][static_cast<std::size_t>(i)] = x[i] * gain[static_cast<std::size_t>(i)];
       for (std::size_t l = 0; l < layers; ++l) {
         const int in = dims_[l], out = dims_[l + 1];
         acts[l + 1].assign(static_cast<std::size_t>(out), 0.0f);
         for (int o = 0; o < out; ++o) {
           float z = b[l][static_cast<std::size_t>(o)];
-          for (int i = 0; i < in; ++i) z += w[l][static_cast<std::size_t>(o * in + i)] * acts[l][static_cast<std::size_t>(i)];
+          for (int i = 0; i < in; ++i)
+            z += w[l][static_cast<std::size_t>(o * in + i)] * acts[l][static_cast<std::size_t>(i)];
           acts[l + 1][static_cast<std::size_t>(o)] = l + 1 == layers ? z : std::tanh(z);
         }
       }
@@ -144,7 +148,8 @@ class Mlp {
           }
         delta = std::move(prev);
       }
-      for (int i = 0; i < dims_[0]; ++i) grad_acc[0][static_cast<std::size_t>(i)] += delta[static_cast<std::size_t>(i)] * x[i];
+      for (int i = 0; i < dims_[0]; ++i)
+        grad_acc[0][static_cast<std::size_t>(i)] += delta[static_cast<std::size_t>(i)] * x[i];
     }
     const float inv = 1.0f / static_cast<float>(count);
     for (std::size_t i = 0; i < params_.size(); ++i)
@@ -159,7 +164,8 @@ class Mlp {
     for (int s = begin; s < begin + count; ++s) {
       std::vector<float> a(static_cast<std::size_t>(dims_[0]));
       for (int i = 0; i < dims_[0]; ++i)
-        a[static_cast<std::size_t>(i)] = data.x[static_cast<std::size_t>(s) * static_cast<std::size_t>(data.features) + static_cast<std::size_t>(i)] *
+        a[static_cast<std::size_t>(i)] = data.x[static_cast<std::size_t>(s) * static_cast<std::size_t>(data.features) +
+                                                static_cast<std::size_t>(i)] *
                                          static_cast<float>(params_[0][static_cast<std::size_t>(i)]);
       for (std::size_t l = 0; l < layers; ++l) {
         const int in = dims_[l], out = dims_[l + 1];
@@ -167,7 +173,8 @@ class Mlp {
         for (int o = 0; o < out; ++o) {
           float acc = static_cast<float>(params_[2 + 2 * l][static_cast<std::size_t>(o)]);
           for (int i = 0; i < in; ++i)
-            acc += static_cast<float>(params_[1 + 2 * l][static_cast<std::size_t>(o * in + i)]) * a[static_cast<std::size_t>(i)];
+            acc += static_cast<float>(params_[1 + 2 * l][static_cast<std::size_t>(o * in + i)]) *
+                   a[static_cast<std::size_t>(i)];
           z[static_cast<std::size_t>(o)] = l + 1 == layers ? acc : std::tanh(acc);
         }
         a = std::move(z);

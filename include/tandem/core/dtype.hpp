@@ -18,10 +18,14 @@ enum class DType : std::uint8_t { fp32, bf16, fp16, fp64 };
 /// Bytes per element.
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::fp32: return 4;
-    case DType::bf16: return 2;
-    case DType::fp16: return 2;
-    case DType::fp64: return 8;
+    case DType::fp32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::fp16:
+      return 2;
+    case DType::fp64:
+      return 8;
   }
   return 0;
 }
@@ -29,10 +33,14 @@ constexpr std::size_t dtype_size(DType t) {
 /// Short lower-case name ("fp32", "bf16", "fp16", "fp64").
 constexpr const char* dtype_name(DType t) {
   switch (t) {
-    case DType::fp32: return "fp32";
-    case DType::bf16: return "bf16";
-    case DType::fp16: return "fp16";
-    case DType::fp64: return "fp64";
+    case DType::fp32:
+      return "fp32";
+    case DType::bf16:
+      return "bf16";
+    case DType::fp16:
+      return "fp16";
+    case DType::fp64:
+      return "fp64";
   }
   return "?";
 }
@@ -163,10 +171,14 @@ TANDEM_HD inline Dst convert(Src v) {
 template <class F>
 decltype(auto) visit_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::bf16: return f(BFloat16{});
-    case DType::fp16: return f(Float16{});
-    case DType::fp64: return f(double{});
-    case DType::fp32: break;
+    case DType::bf16:
+      return f(BFloat16{});
+    case DType::fp16:
+      return f(Float16{});
+    case DType::fp64:
+      return f(double{});
+    case DType::fp32:
+      break;
   }
   return f(float{});
 }

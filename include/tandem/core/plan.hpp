@@ -26,9 +26,9 @@ struct PlanOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< later buckets (PyTorch DDP's default)
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket, so communication starts early
   int world_size = 1;
-  std::size_t bucket_element_bytes = 4;      ///< bytes per element when measuring the caps (the gradient bucket)
-  std::size_t alignment_elements = 4;        ///< tensor offsets are multiples of this (16 B / smallest element)
-  std::size_t shard_alignment_elements = 32; ///< shards are multiples of this (128 B / smallest element)
+  std::size_t bucket_element_bytes = 4;       ///< bytes per element when measuring the caps (the gradient bucket)
+  std::size_t alignment_elements = 4;         ///< tensor offsets are multiples of this (16 B / smallest element)
+  std::size_t shard_alignment_elements = 32;  ///< shards are multiples of this (128 B / smallest element)
 };
 
 /// A half-open range of flat (or shard-space) element indices.
@@ -126,8 +126,7 @@ class Plan {
     if (o.bucket_element_bytes == 0) detail::fail("tandem: PlanOptions::bucket_element_bytes must be positive");
     if (o.alignment_elements == 0 || o.shard_alignment_elements == 0 ||
         o.shard_alignment_elements % o.alignment_elements != 0)
-      detail::fail(
-          "tandem: PlanOptions::shard_alignment_elements must be a positive multiple of alignment_elements");
+      detail::fail("tandem: PlanOptions::shard_alignment_elements must be a positive multiple of alignment_elements");
     if (o.bucket_cap_bytes < o.bucket_element_bytes || o.first_bucket_cap_bytes < o.bucket_element_bytes)
       detail::fail("tandem: bucket caps must hold at least one element (bucket_cap_bytes, first_bucket_cap_bytes)");
   }

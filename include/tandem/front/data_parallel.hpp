@@ -42,9 +42,9 @@
 namespace tandem {
 
 struct DataParallelOptions {
-  std::size_t bucket_cap_bytes = std::size_t{25} << 20;      ///< fp32 gradient bytes per bucket
-  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20; ///< the first bucket (the last layers)
-  int accumulation_steps = 1;  ///< micro-steps per optimizer step
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
+  int accumulation_steps = 1;                                 ///< micro-steps per optimizer step
   float max_grad_norm = 0.0f;  ///< > 0: scale gradients so that their global L2 norm is at most this
   Stream stream = {};          ///< where tandem's work is ordered
 };
@@ -118,8 +118,9 @@ class DataParallel {
   /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
   StepResult step() {
     if (!synced_)
-      detail::fail("tandem: step() before broadcast_parameters(): with owned storage, write the initial "
-                   "parameters through the views and call broadcast_parameters() first");
+      detail::fail(
+          "tandem: step() before broadcast_parameters(): with owned storage, write the initial "
+          "parameters through the views and call broadcast_parameters() first");
     const bool first = micro_ == 0;
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
@@ -266,8 +267,7 @@ class DataParallel {
     for (std::size_t i = 0; i < layout_.size(); ++i) {
       if (layout_[i].dtype != first)
         detail::fail(layout_.describe(i) + ": dtype " + dtype_name(layout_[i].dtype) + " differs from " +
-                     layout_.describe(0) + "'s " + dtype_name(first) +
-                     "; use one DataParallel per parameter dtype");
+                     layout_.describe(0) + "'s " + dtype_name(first) + "; use one DataParallel per parameter dtype");
     }
     if (storage_ == Storage::owned) return;
     struct Span {
@@ -322,8 +322,8 @@ class DataParallel {
     for (int r = 0; r < world_; ++r) {
       const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
       if (w[0] != 0)
-        detail::fail("tandem: rank " + std::to_string(r) + " rejected its arguments: " +
-                     std::string(reinterpret_cast<const char*>(&w[header])));
+        detail::fail("tandem: rank " + std::to_string(r) +
+                     " rejected its arguments: " + std::string(reinterpret_cast<const char*>(&w[header])));
     }
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
@@ -446,9 +446,8 @@ class DataParallel {
       using T = decltype(tag);
       if (mode == WriteMode::assign)
         backend_.launch(t.items.size(),
-                        PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{t.items.data(),
-                                                                                        t.tensors.data(), bucket,
-                                                                                        scale},
+                        PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{
+                            t.items.data(), t.tensors.data(), bucket, scale},
                         options_.stream);
       else
         backend_.launch(t.items.size(),
@@ -462,8 +461,7 @@ class DataParallel {
     if (mode == WriteMode::assign)
       backend_.launch(cast_items(n), CastBody<float, float, WriteMode::assign>{src, dst, n, 1.0f}, options_.stream);
     else
-      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f},
-                      options_.stream);
+      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f}, options_.stream);
   }
 
   /// The owned flat range of bucket b, and where it starts in the owned (master/state) space.
@@ -530,8 +528,7 @@ class DataParallel {
       a.param = reinterpret_cast<T*>(param_flat_.data()) + r.begin;
       a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
       a.grad = owned_grads(b);
-      for (std::size_t k = 0; k < 2; ++k)
-        a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
+      for (std::size_t k = 0; k < 2; ++k) a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
       a.n = r.size();
       a.grad_scale = grad_scale;
       backend_.launch(update_items(a.n), typename Opt::template Body<T>{a, scalars}, options_.stream);

@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <string>
 
-#include "tandem/core/error.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
 #include "tandem/kernels/optimizer.hpp"
 
 namespace tandem {

@@ -64,8 +64,8 @@ inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vec
     table.tensors.push_back({user_pointers[i], at.offset, at.numel});
     const std::size_t numel = at.numel;
     for (std::size_t begin = 0; begin < numel; begin += chunk_elements)
-      table.items.push_back({static_cast<std::uint32_t>(k),
-                             static_cast<std::uint32_t>(std::min(chunk_elements, numel - begin)), begin});
+      table.items.push_back(
+          {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(std::min(chunk_elements, numel - begin)), begin});
   }
   return table;
 }

@@ -90,7 +90,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     const Vec<Src, G> s = load_vec<Src, G>(src + at);
     Vec<Dst, G> d;
     if constexpr (Mode == WriteMode::accumulate) d = load_vec<Dst, G>(dst + at);
-TANDEM_UNROLL
+    TANDEM_UNROLL
     for (std::size_t k = 0; k < G; ++k) {
       const float x = scale * static_cast<float>(s.v[k]);
       if constexpr (Mode == WriteMode::accumulate) {

@@ -22,14 +22,14 @@ enum class StateSharding {
 
 /// When gradients are reduced across ranks.
 enum class GradientReduction {
-  at_boundary,     ///< micro-steps accumulate locally in a full fp32 buffer; reduce once per optimizer step
-  every_micro_step ///< reduce-scatter every micro-step into an fp32 shard accumulator; no full reduced copy
+  at_boundary,      ///< micro-steps accumulate locally in a full fp32 buffer; reduce once per optimizer step
+  every_micro_step  ///< reduce-scatter every micro-step into an fp32 shard accumulator; no full reduced copy
 };
 
 /// One bucket as a policy's hooks see it.
 struct BucketView {
-  float* grad = nullptr;   ///< the bucket's fp32 gradients (size elements)
-  void* param = nullptr;   ///< the bucket's parameters in the parameter dtype (size elements)
+  float* grad = nullptr;  ///< the bucket's fp32 gradients (size elements)
+  void* param = nullptr;  ///< the bucket's parameters in the parameter dtype (size elements)
   DType param_dtype = DType::fp32;
   std::size_t size = 0;        ///< elements, a multiple of the world size
   std::size_t shard_size = 0;  ///< size / world size
