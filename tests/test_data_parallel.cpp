@@ -158,17 +158,17 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
       // computes on them directly (params out of the views before forward, grads into them after).
       auto params_to_views = [&] {
         for (std::size_t i = 0; i < refs.size(); ++i)
-          std::memcpy(dp.tensor(i).param, model.params()[i].data(), refs[i].numel * sizeof(T));
+          std::memcpy(dp.template param_view<T>(i), model.params()[i].data(), refs[i].numel * sizeof(T));
       };
       auto grads_to_views = [&] {
         for (std::size_t i = 0; i < refs.size(); ++i) {
-          auto* g = static_cast<float*>(dp.tensor(i).grad);
+          float* g = dp.grad_view(i);
           for (std::size_t e = 0; e < refs[i].numel; ++e) g[e] += static_cast<float>(model.grads()[i][e]);
         }
       };
       auto views_to_params = [&] {
         for (std::size_t i = 0; i < refs.size(); ++i)
-          std::memcpy(model.params()[i].data(), dp.tensor(i).param, refs[i].numel * sizeof(T));
+          std::memcpy(model.params()[i].data(), dp.template param_view<T>(i), refs[i].numel * sizeof(T));
       };
       bool first = true;
       run(

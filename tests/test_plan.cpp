@@ -59,9 +59,10 @@ void check_plan(const std::vector<std::size_t>& sizes, const tandem::PlanOptions
     REQUIRE(k.shard_size * world == k.size);
     REQUIRE(!k.tensors.empty());
     const std::size_t limit = b == 0 ? first_cap : cap;
-    if (k.tensors.size() > 1) {
-      REQUIRE(k.used <= limit);  // only a lone tensor may exceed the cap
-    }
+    const auto nonempty =
+        std::count_if(k.tensors.begin(), k.tensors.end(), [&](std::size_t i) { return sizes[i] != 0; });
+    if (nonempty > 1) REQUIRE(k.used <= limit);              // only a lone tensor may exceed the cap
+    REQUIRE(nonempty >= (plan.num_buckets() == 1 ? 0 : 1));  // no bucket of empty tensors alone
     offset += k.size;
     shard_offset += k.shard_size;
   }
@@ -80,7 +81,7 @@ void check_plan(const std::vector<std::size_t>& sizes, const tandem::PlanOptions
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     const tandem::Placement& at = plan.placement(i);
     REQUIRE(at.numel == sizes[i]);
-    REQUIRE(at.offset % o.alignment_elements == 0);
+    if (at.numel != 0) REQUIRE(at.offset % o.alignment_elements == 0);
     const tandem::Bucket& k = plan.bucket(at.bucket);
     REQUIRE(std::find(k.tensors.begin(), k.tensors.end(), i) != k.tensors.end());
     REQUIRE(at.offset + at.numel <= k.used);
@@ -189,4 +190,14 @@ TEST_CASE("bad plan options are rejected with the option's name") {
   o.shard_alignment_elements = 6;  // not a multiple of alignment_elements = 4
   CHECK_THROWS_WITH_AS(tandem::Plan({1, 2}, o), doctest::Contains("shard_alignment_elements"), tandem::error);
   CHECK_THROWS_AS(tandem::Plan({}, tandem::PlanOptions{}), tandem::error);
+}
+
+TEST_CASE("zero-size tensors never open a bucket of their own") {
+  tandem::PlanOptions o;
+  o.world_size = 4;
+  o.bucket_cap_bytes = 12;
+  o.first_bucket_cap_bytes = 12;
+  const tandem::Plan with_empty({0, 0, 3, 0}, o), without({3}, o);
+  CHECK(with_empty.num_buckets() == 1);
+  CHECK(with_empty.total_size() == without.total_size());
 }

@@ -81,6 +81,7 @@ TEST_CASE("null grad, oversized numel, mixed dtypes, overlapping buffers, misali
       {[](auto& r) { r[4].grad = r[3].param; }, "overlaps"},
       {[](auto& r) { r[2].param = static_cast<char*>(r[2].param) + 1; }, "aligned"},
       {[](auto& r) { r[1].dtype = tandem::DType::fp64; }, "fp64 is not supported"},
+      {[](auto& r) { r[1].dtype = static_cast<tandem::DType>(9); }, "dtype ? is not supported"},
       {[](auto& r) { r.clear(); }, "no tensors"},
   };
   for (const auto& [edit, want] : cases) {
@@ -115,6 +116,29 @@ TEST_CASE("ranks constructed with different options all throw") {
   for (const std::string& msg : messages) CHECK(msg.find("constructed DataParallel differently") != std::string::npos);
 }
 
+TEST_CASE("optimizer options that differ between ranks: every rank throws") {
+  const auto messages = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    construct(comm, refs, {}, {.lr = comm.rank() == 0 ? 1e-3f : 2e-3f});
+  });
+  for (const std::string& msg : messages) CHECK_MESSAGE(msg.find("optimizer or its options") != std::string::npos, msg);
+}
+
+TEST_CASE("optimizer options changed between steps are validated; state cannot appear later") {
+  const auto momentum = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::OptimizerSharded, tandem::SGD> dp(comm, refs, {.lr = 0.1f});
+    dp.step();
+    dp.optimizer_options().momentum = 0.9f;
+    dp.step();
+  });
+  for (const std::string& msg : momentum) CHECK(msg.find("SGD momentum enabled later") != std::string::npos);
+  const auto beta = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, refs);
+    dp.optimizer_options().beta1 = 1.0f;
+    dp.step();
+  });
+  for (const std::string& msg : beta) CHECK(msg.find("AdamWOptions::beta1") != std::string::npos);
+}
+
 TEST_CASE("bad options name the option") {
   const std::vector<std::pair<tandem::DataParallelOptions, std::string>> cases = {
       {{.accumulation_steps = 0}, "accumulation_steps"},
@@ -139,16 +163,29 @@ TEST_CASE("broadcast root out of range, tensor index out of range, step before b
   });
   for (const std::string& msg : root) CHECK(msg.find("root 2 is out of range") != std::string::npos);
 
-  const auto index = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
-    (void)dp.tensor(refs.size());
-  });
-  CHECK(index[0].find("index out of range") != std::string::npos);
-
-  const auto early = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+  auto specs_of = [](const std::vector<tandem::TensorRef>& refs) {
     std::vector<tandem::TensorSpec> specs;
     for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
-    tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs);
+    return specs;
+  };
+  const auto copy_mode = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
+    (void)dp.grad_view(0);
+  });
+  CHECK(copy_mode[0].find("grad_view is for owned storage") != std::string::npos);
+  const auto index = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
+    (void)dp.param_view<float>(refs.size());
+  });
+  CHECK(index[0].find("index out of range") != std::string::npos);
+  const auto type = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
+    (void)dp.param_view<tandem::BFloat16>(0);
+  });
+  CHECK(type[0].find("param_view<bf16>(0): the parameters are fp32") != std::string::npos);
+
+  const auto early = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs_of(refs));
     dp.step();
   });
   for (const std::string& msg : early) CHECK(msg.find("broadcast_parameters()") != std::string::npos);

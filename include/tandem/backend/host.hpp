@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -25,6 +26,7 @@ class HostBuffer {
   HostBuffer() = default;
   explicit HostBuffer(std::size_t n) : size_(n) {
     if (n == 0) return;
+    if (n > (SIZE_MAX - 63) / sizeof(T)) throw std::bad_alloc();
     const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
     data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
     if (!data_) throw std::bad_alloc();

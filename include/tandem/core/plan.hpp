@@ -82,8 +82,9 @@ class Plan {
     };
     for (std::size_t k = numels.size(); k-- > 0;) {
       const std::size_t at = round_up(current.used, options.alignment_elements);
-      if (!current.tensors.empty() && at + numels[k] > cap) close();
-      const std::size_t offset = round_up(current.used, options.alignment_elements);
+      if (current.used != 0 && numels[k] != 0 && at + numels[k] > cap) close();  // empty tensors never open one
+      // An empty tensor takes no space (and no alignment): it sits at the current end.
+      const std::size_t offset = numels[k] == 0 ? current.used : round_up(current.used, options.alignment_elements);
       placements_[k] = Placement{buckets_.size(), offset, numels[k]};
       current.tensors.push_back(k);
       current.used = offset + numels[k];

@@ -48,8 +48,9 @@ class Layout {
       const TensorSpec& t = tensors_[i];
       if (t.numel > max_numel)
         detail::fail(describe(i) + ": numel " + std::to_string(t.numel) + " exceeds tandem's limit of 2^48 elements");
-      if (t.dtype == DType::fp64)
-        detail::fail(describe(i) + ": dtype fp64 is not supported for parameters; use fp32, bf16 or fp16");
+      if (t.dtype != DType::fp32 && t.dtype != DType::bf16 && t.dtype != DType::fp16)
+        detail::fail(describe(i) + ": dtype " + dtype_name(t.dtype) +
+                     " is not supported for parameters; use fp32, bf16 or fp16");
       total += t.numel;
       if (total > max_numel)
         detail::fail(describe(i) + ": the layout's total element count exceeds tandem's limit of 2^48 elements");

@@ -86,8 +86,8 @@ class DataParallel {
     construct(std::move(specs), Storage::user);
   }
 
-  /// Zero-copy: tandem owns flat parameter and gradient storage and tensor(i) returns views into it. Write
-  /// initial values through the views, then call broadcast_parameters() before the first step().
+  /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) and grad_view(i) point into
+  /// it. Write initial values through the views, then call broadcast_parameters() before the first step().
   DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options) {
@@ -117,6 +117,11 @@ class DataParallel {
   /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
   /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
   StepResult step() {
+    Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
+    if (Opt::state_count(optimizer_) > state_count_)
+      detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
+                   std::to_string(Opt::state_count(optimizer_)) + " state buffers but were constructed with " +
+                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
     if (!synced_)
       detail::fail(
           "tandem: step() before broadcast_parameters(): with owned storage, write the initial "
@@ -124,7 +129,7 @@ class DataParallel {
     const bool first = micro_ == 0;
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
-    const float pack_scale = 1.0f / static_cast<float>(world_ * options_.accumulation_steps);
+    const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
 
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
@@ -186,16 +191,22 @@ class DataParallel {
     return r;
   }
 
-  /// Tensor i: the user's buffers, or (owned storage) views into tandem's flat storage.
-  TensorRef tensor(std::size_t i) const {
-    if (i >= layout_.size())
-      detail::fail("tandem: tensor(" + std::to_string(i) + "): index out of range; the layout has " +
-                   std::to_string(layout_.size()) + " tensors");
-    if (storage_ == Storage::user) return refs_[i];
-    const TensorSpec& t = layout_[i];
-    const std::size_t at = flat_index(i);
-    return {t.name, static_cast<unsigned char*>(param_flat_.data()) + at * psize_, grad_flat_.data() + at, t.numel,
-            t.dtype};
+  /// Owned storage only: tensor i's parameters, a view into tandem's parameter buckets. T must be the
+  /// parameter dtype's type (float, BFloat16 or Float16).
+  template <class T>
+  T* param_view(std::size_t i) const {
+    check_view(i, "param_view");
+    if (dtype_of<T> != pdtype_)
+      detail::fail(std::string("tandem: param_view<") + dtype_name(dtype_of<T>) + ">(" + std::to_string(i) +
+                   "): the parameters are " + dtype_name(pdtype_));
+    return reinterpret_cast<T*>(param_flat_.data()) + flat_index(i);
+  }
+
+  /// Owned storage only: tensor i's gradients, an fp32 view into tandem's gradient buckets (fp32 whatever
+  /// the parameter dtype). Backward adds into it; tandem zeroes it once the gradients are consumed.
+  float* grad_view(std::size_t i) const {
+    check_view(i, "grad_view");
+    return grad_flat_.data() + flat_index(i);
   }
 
   const Plan& plan() const { return plan_; }
@@ -226,8 +237,10 @@ class DataParallel {
       validate_options();
       layout_ = Layout(std::move(specs));
       validate_tensors();
-    } catch (const error& e) {
+    } catch (const std::exception& e) {
       problem = e.what();
+    } catch (...) {
+      problem = "tandem: an unknown exception was thrown while validating the arguments";
     }
     agree_across_ranks(problem);
 
@@ -248,6 +261,15 @@ class DataParallel {
       init_masters();
       synced_ = true;
     }
+  }
+
+  void check_view(std::size_t i, const char* what) const {
+    if (storage_ != Storage::owned)
+      detail::fail(std::string("tandem: ") + what +
+                   " is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+    if (i >= layout_.size())
+      detail::fail(std::string("tandem: ") + what + "(" + std::to_string(i) + "): index out of range; the layout has " +
+                   std::to_string(layout_.size()) + " tensors");
   }
 
   void validate_options() const {
@@ -307,7 +329,7 @@ class DataParallel {
     mine[2] = problem.empty() ? layout_.size() : 0;
     mine[3] = problem.empty() ? layout_.total_numel() : 0;
     mine[4] = text_hash(P::name);
-    mine[5] = text_hash(Opt::name);
+    mine[5] = text_hash(Opt::name) ^ Opt::fingerprint(optimizer_);
     mine[6] = static_cast<std::uint64_t>(options_.accumulation_steps);
     mine[7] = options_.bucket_cap_bytes;
     mine[8] = options_.first_bucket_cap_bytes;
@@ -336,8 +358,8 @@ class DataParallel {
                      "same order");
       if (!std::equal(w0 + 4, w0 + header, w + 4))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
-                     " constructed DataParallel differently (policy, optimizer, accumulation_steps, bucket caps, "
-                     "storage, world size or max_grad_norm); every rank must use the same configuration");
+                     " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
+                     "bucket caps, storage, world size or max_grad_norm); every rank must use the same configuration");
     }
   }
 
@@ -363,7 +385,8 @@ class DataParallel {
     param_flat_ = backend_.template allocate<unsigned char>(plan_.total_size() * psize_);
     backend_.zero(param_flat_.data(), param_flat_.bytes(), options_.stream);
     if (pdtype_ != DType::fp32) master_ = backend_.template allocate<float>(owned);
-    for (std::size_t k = 0; k < Opt::state_count(optimizer_); ++k) {
+    state_count_ = Opt::state_count(optimizer_);
+    for (std::size_t k = 0; k < state_count_; ++k) {
       state_[k] = backend_.template allocate<float>(owned);
       backend_.zero(state_[k].data(), state_[k].bytes(), options_.stream);
     }
@@ -558,6 +581,7 @@ class DataParallel {
   Buffer<float> grad_flat_;
   Buffer<float> staging_;
   Buffer<float> grad_shard_;
+  std::size_t state_count_ = 0;
   int micro_ = 0;
   std::uint64_t step_ = 0;
   bool synced_ = false;

@@ -47,6 +47,11 @@ struct AdamW {
       bad("weight_decay", o.weight_decay, "it must be finite and >= 0");
   }
 
+  /// Equal on ranks with equal options (checked across ranks at construction).
+  static std::uint64_t fingerprint(const Options& o) {
+    return detail::fingerprint_values({o.lr, o.beta1, o.beta2, o.eps, o.weight_decay});
+  }
+
   /// Per-step scalars, from the options and the 1-based step number t.
   struct Scalars {
     float beta1, beta2, eps;

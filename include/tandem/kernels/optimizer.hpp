@@ -11,6 +11,8 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 
 #include "tandem/core/config.hpp"
 
@@ -37,6 +39,17 @@ constexpr std::size_t update_items(std::size_t n) { return (n + update_chunk_ele
 
 namespace detail {
 
+/// FNV-1a over the bit patterns of an optimizer's option values: equal options, equal fingerprints.
+inline std::uint64_t fingerprint_values(std::initializer_list<float> values) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (float v : values) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    for (int k = 0; k < 4; ++k) h = (h ^ ((bits >> (8 * k)) & 0xffu)) * 0x100000001b3ull;
+  }
+  return h;
+}
+
 /// Calls f(i) for the elements of `item` that lane `lane` of `lanes` owns (coalesced on CUDA).
 template <class F>
 TANDEM_HD inline void for_each_update_element(std::size_t item, unsigned lane, unsigned lanes, std::size_t n, F&& f) {
@@ -54,6 +67,7 @@ concept Optimizer = requires(const typename O::Options& options, std::uint64_t s
   { O::name } -> std::convertible_to<const char*>;
   { O::state_count(options) } -> std::convertible_to<std::size_t>;
   O::validate(options);
+  { O::fingerprint(options) } -> std::convertible_to<std::uint64_t>;
   { O::scalars(options, step) } -> std::same_as<typename O::Scalars>;
   typename O::template Body<float>;
   { O::elementwise } -> std::convertible_to<bool>;

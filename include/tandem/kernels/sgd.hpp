@@ -48,6 +48,12 @@ struct SGD {
       detail::fail("tandem: SGDOptions::nesterov needs momentum > 0 and dampening == 0 (as in PyTorch)");
   }
 
+  /// Equal on ranks with equal options (checked across ranks at construction).
+  static std::uint64_t fingerprint(const Options& o) {
+    return detail::fingerprint_values(
+        {o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov == Nesterov::on ? 1.0f : 0.0f});
+  }
+
   struct Scalars {
     float lr, momentum, dampening, weight_decay;
     bool first_step;
