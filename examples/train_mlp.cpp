@@ -16,10 +16,10 @@ namespace {
 
 struct Settings {
   int ranks = 2;
-  int steps = 300;
+  int steps = 2000;
   int batch = 64;  // global
   int accumulation = 1;
-  float lr = 2e-3f;
+  float lr = 5e-3f;
   std::uint64_t seed = 1;
   std::vector<int> dims = {32, 128, 128, 10};
 };
@@ -51,6 +51,7 @@ Outcome train(const Settings& s, int ranks, const mlp::Dataset& train_set, const
         dp.step();  // tandem: reduce, update, regather
       }
     }
+    comm.all_reduce(&loss_sum, &loss_sum, 1, tandem::DType::fp64, tandem::ReduceOp::avg);  // the global mean
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
       out.loss = loss_sum / loss_count;

@@ -95,10 +95,14 @@ class Mlp {
     std::vector<std::vector<float>> grad_acc(params_.size());
     for (std::size_t i = 0; i < params_.size(); ++i) grad_acc[i].assign(params_[i].size(), 0.0f);
     const std::vector<float> gain = as_float(params_[0]);
-    std::vector<std::vector<float>> w(layers), b(layers);
+    std::vector<std::vector<float>> w(layers), wt(layers), b(layers);  // wt: W transposed (in x out)
     for (std::size_t l = 0; l < layers; ++l) {
       w[l] = as_float(params_[1 + 2 * l]);
       b[l] = as_float(params_[2 + 2 * l]);
+      const std::size_t in = static_cast<std::size_t>(dims_[l]), out = static_cast<std::size_t>(dims_[l + 1]);
+      wt[l].resize(in * out);
+      for (std::size_t o = 0; o < out; ++o)
+        for (std::size_t i = 0; i < in; ++i) wt[l][i * out + o] = w[l][o * in + i];
     }
     float loss = 0.0f;
     for (int s = begin; s < begin + count; ++s) {
@@ -107,14 +111,16 @@ class Mlp {
       for (int i = 0; i < dims_[0]; ++i)
         acts[0][static_cast<std::size_t>(i)] = x[i] * gain[static_cast<std::size_t>(i)];
       for (std::size_t l = 0; l < layers; ++l) {
-        const int in = dims_[l], out = dims_[l + 1];
-        acts[l + 1].assign(static_cast<std::size_t>(out), 0.0f);
-        for (int o = 0; o < out; ++o) {
-          float z = b[l][static_cast<std::size_t>(o)];
-          for (int i = 0; i < in; ++i)
-            z += w[l][static_cast<std::size_t>(o * in + i)] * acts[l][static_cast<std::size_t>(i)];
-          acts[l + 1][static_cast<std::size_t>(o)] = l + 1 == layers ? z : std::tanh(z);
+        const std::size_t in = static_cast<std::size_t>(dims_[l]), out = static_cast<std::size_t>(dims_[l + 1]);
+        std::vector<float>& z = acts[l + 1];
+        z = b[l];
+        for (std::size_t i = 0; i < in; ++i) {  // z += a_i * W[:, i], contiguous in wt
+          const float a = acts[l][i];
+          const float* col = &wt[l][i * out];
+          for (std::size_t o = 0; o < out; ++o) z[o] += a * col[o];
         }
+        if (l + 1 < layers)
+          for (float& v : z) v = std::tanh(v);
       }
       // softmax cross-entropy on the logits
       std::vector<float>& logits = acts[layers];

@@ -55,7 +55,11 @@ template <class F>
 TANDEM_HD inline void for_each_update_element(std::size_t item, unsigned lane, unsigned lanes, std::size_t n, F&& f) {
   const std::size_t begin = item * update_chunk_elements;
   const std::size_t end = begin + update_chunk_elements < n ? begin + update_chunk_elements : n;
-  for (std::size_t i = begin + lane; i < end; i += lanes) f(i);
+  if (lanes == 1) {  // the host: a unit-stride loop the compiler can vectorize
+    for (std::size_t i = begin; i < end; ++i) f(i);
+  } else {
+    for (std::size_t i = begin + lane; i < end; i += lanes) f(i);
+  }
 }
 
 }  // namespace detail

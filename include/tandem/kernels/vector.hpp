@@ -85,7 +85,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   const std::size_t tail = head + groups * G;
   for (std::size_t i = lane; i < head; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
   // groups: elements [head + g*G, head + (g+1)*G), one 16-byte (or 2x16-byte) load and store each
-  for (std::size_t g = lane; g < groups; g += lanes) {
+  auto group = [&](std::size_t g) {
     const std::size_t at = head + g * G;
     const Vec<Src, G> s = load_vec<Src, G>(src + at);
     Vec<Dst, G> d;
@@ -102,6 +102,11 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
       }
     }
     store_vec<Dst, G>(dst + at, d);
+  };
+  if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
+    for (std::size_t g = 0; g < groups; ++g) group(g);
+  } else {
+    for (std::size_t g = lane; g < groups; g += lanes) group(g);
   }
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
 }
