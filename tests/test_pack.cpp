@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "tandem/backend/host.hpp"
@@ -103,6 +104,21 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
     for (std::size_t e = 0; e < l.sizes[i]; ++e) arena.data()[at[i] + e] = make<UserT>(dist(rng));
   }
   const tandem::PackTable table = tandem::make_pack_table(plan, 0, pointers, 64 * (1 + rng() % 4));
+  // The two item orders hold the same items; reading_user visits tensors in layout order.
+  REQUIRE(table.reading_user.size() == table.reading_bucket.size());
+  {
+    auto key = [](const tandem::PackItem& i) { return std::tuple(i.tensor, i.begin, i.count); };
+    std::vector<std::tuple<std::uint32_t, std::uint64_t, std::uint32_t>> a, b;
+    for (const auto& i : table.reading_user) a.push_back(key(i));
+    for (const auto& i : table.reading_bucket) b.push_back(key(i));
+    std::vector<std::uint32_t> order;
+    for (const auto& i : table.reading_user)
+      if (order.empty() || order.back() != i.tensor) order.push_back(i.tensor);
+    CHECK(std::is_sorted(order.rbegin(), order.rend()));  // bucket slots descending = layout order ascending
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    CHECK(a == b);
+  }
   const float scale = mode == tandem::WriteMode::assign ? 0.25f * static_cast<float>(1 + rng() % 3) : 0.5f;
 
   // Poison the bucket (NaN), or fill it with known values to accumulate onto.
@@ -113,14 +129,14 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
   std::memcpy(bucket.data(), before.data(), bucket.bytes());
 
   if (mode == tandem::WriteMode::assign)
-    run(table.items.size(),
-        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket>{table.items.data(), table.tensors.data(),
-                                                                           bucket.data(), scale},
+    run(table.size(),
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket>{table.reading_user.data(),
+                                                                           table.tensors.data(), bucket.data(), scale},
         lanes);
   else
-    run(table.items.size(),
+    run(table.size(),
         tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket, tandem::WriteMode::accumulate>{
-            table.items.data(), table.tensors.data(), bucket.data(), scale},
+            table.reading_user.data(), table.tensors.data(), bucket.data(), scale},
         lanes);
 
   // Reference: a plain loop per tensor; gaps between tensors must be untouched.
@@ -144,9 +160,9 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
   if constexpr (std::is_same_v<UserT, BucketT>) {
     for (std::size_t e = 0; e < arena_elems; ++e) arena.data()[e] = make<UserT>(std::nanf(""));
     const float unscale = 2.0f;
-    run(table.items.size(),
-        tandem::PackBody<UserT, BucketT, tandem::PackDirection::from_bucket>{table.items.data(), table.tensors.data(),
-                                                                             bucket.data(), unscale},
+    run(table.size(),
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::from_bucket>{
+            table.reading_bucket.data(), table.tensors.data(), bucket.data(), unscale},
         lanes);
     for (std::size_t i = 0; i < l.sizes.size(); ++i)
       for (std::size_t e = 0; e < l.sizes[i]; ++e) {

@@ -80,6 +80,7 @@ class HostBackend {
     const std::size_t parts = std::min<std::size_t>(static_cast<std::size_t>(options_.threads), items);
     if (parts <= 1) {
       for (std::size_t i = 0; i < items; ++i) body(i, 0u, 1u);
+      detail::stream_fence();  // order any streaming stores before what follows
       return;
     }
     std::vector<std::jthread> workers;
@@ -87,6 +88,7 @@ class HostBackend {
     auto run = [&](std::size_t p) {
       const std::size_t begin = items * p / parts, end = items * (p + 1) / parts;
       for (std::size_t i = begin; i < end; ++i) body(i, 0u, 1u);
+      detail::stream_fence();
     };
     for (std::size_t p = 1; p < parts; ++p) workers.emplace_back(run, p);
     run(0);

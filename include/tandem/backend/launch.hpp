@@ -13,6 +13,10 @@
 
 #include "tandem/core/config.hpp"
 
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace tandem {
 
 /// Threads per block for every tandem kernel.
@@ -30,6 +34,18 @@ constexpr LaunchShape launch_shape(std::size_t items, unsigned max_blocks = max_
   if (items == 0) return {0, block_threads};
   return {static_cast<unsigned>(std::min<std::size_t>(items, max_blocks)), block_threads};
 }
+
+namespace detail {
+
+/// Orders streaming (non-temporal) stores before later stores on x86 hosts; nothing elsewhere. The host
+/// backend calls it after each launch; on CUDA the end of a kernel does the same.
+TANDEM_HD inline void stream_fence() {
+#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace detail
 
 /// Calls f(item) for every item block `block` of a `grid`-block launch visits, in order.
 template <class F>

@@ -46,6 +46,7 @@
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/stream.hpp"
+#include "tandem/kernels/vector.hpp"
 
 namespace tandem {
 
@@ -273,7 +274,7 @@ using local_accumulator_t = std::conditional_t<std::is_same_v<T, double>, double
 /// cost model needs in order to vectorize; Fixed == 0 takes `m` (the tail).
 template <class T, std::size_t Fixed>
 void local_reduce_block(const LocalCall* calls, int size, std::size_t src, std::size_t m, ReduceOp op, int dst_first,
-                        int dst_last, std::size_t dst, local_accumulator_t<T>* __restrict acc) {
+                        int dst_last, std::size_t dst, local_accumulator_t<T>* __restrict acc, StoreHint hint) {
   using Acc = local_accumulator_t<T>;
   const std::size_t n = Fixed != 0 ? Fixed : m;
   {
@@ -290,9 +291,18 @@ void local_reduce_block(const LocalCall* calls, int size, std::size_t src, std::
   }
   for (int q = dst_first; q < dst_last; ++q) {
     T* __restrict d = static_cast<T*>(calls[q].recv) + dst;
+    if constexpr (std::is_same_v<T, local_accumulator_t<T>>) {
+      if (hint == StoreHint::streaming) {  // large results: skip the read-for-ownership of every line
+        stream_copy(acc, d, n);
+        continue;
+      }
+    }
     for (std::size_t i = 0; i < n; ++i) d[i] = convert<T>(acc[i]);
   }
 }
+
+/// Results of at least this many bytes per rank are written with streaming stores.
+inline constexpr std::size_t kLocalStreamingBytes = std::size_t{4} << 20;
 
 /// Reduces elements [src_begin, src_begin + n) of every rank's send buffer and writes the result at dst_begin of the
 /// recv buffer of ranks [dst_first, dst_last), one block at a time. Each block is read completely before it is
@@ -301,14 +311,17 @@ template <class T>
 void local_reduce(const LocalCall* calls, int size, std::size_t src_begin, std::size_t n, ReduceOp op, int dst_first,
                   int dst_last, std::size_t dst_begin) {
   alignas(64) local_accumulator_t<T> acc[kLocalReduceBlock];
+  const StoreHint hint = n * sizeof(T) >= kLocalStreamingBytes ? StoreHint::streaming : StoreHint::cached;
   std::size_t done = 0;
   for (; n - done >= kLocalReduceBlock; done += kLocalReduceBlock) {
     local_reduce_block<T, kLocalReduceBlock>(calls, size, src_begin + done, kLocalReduceBlock, op, dst_first, dst_last,
-                                             dst_begin + done, acc);
+                                             dst_begin + done, acc, hint);
   }
   if (done < n) {
-    local_reduce_block<T, 0>(calls, size, src_begin + done, n - done, op, dst_first, dst_last, dst_begin + done, acc);
+    local_reduce_block<T, 0>(calls, size, src_begin + done, n - done, op, dst_first, dst_last, dst_begin + done, acc,
+                             hint);
   }
+  stream_fence();
 }
 
 /// Rank `rank`'s slice [first, last) of `count` elements split `size` ways on cache-line boundaries (64 bytes), so

@@ -79,10 +79,11 @@ struct BFloat16 {
   TANDEM_HD explicit operator float() const { return detail::bits_float(std::uint32_t{bits} << 16); }
 
   TANDEM_HD static std::uint16_t from_float(float f) {
+    // Branch-free, so that loops of conversions vectorize.
     const std::uint32_t x = detail::float_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);  // quiet NaN
-    const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);  // ties go to the even neighbour
-    return static_cast<std::uint16_t>((x + rounding) >> 16);
+    const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;  // ties go to the even neighbour
+    const std::uint32_t quiet_nan = (x >> 16) | 0x0040u;
+    return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
   }
 };
 

@@ -441,13 +441,17 @@ class DataParallel {
     return {grads, param_bucket(b), pdtype_, bucket.size, bucket.shard_size, rank_, options_.stream};
   }
 
+  StoreHint hint(std::size_t b, std::size_t element_bytes) const {
+    return store_hint_for(plan_.bucket(b).size * element_bytes);
+  }
+
   void pack_params(std::size_t b) {
     const PackTable& t = param_tables_[b];
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
-      backend_.launch(t.items.size(),
-                      PackBody<T, T, PackDirection::to_bucket>{t.items.data(), t.tensors.data(),
-                                                               static_cast<T*>(param_bucket(b)), 1.0f},
+      backend_.launch(t.size(),
+                      PackBody<T, T, PackDirection::to_bucket>{t.reading_user.data(), t.tensors.data(),
+                                                               static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
                       options_.stream);
     });
   }
@@ -456,10 +460,11 @@ class DataParallel {
     const PackTable& t = param_tables_[b];
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
-      backend_.launch(t.items.size(),
-                      PackBody<T, T, PackDirection::from_bucket>{t.items.data(), t.tensors.data(),
-                                                                 static_cast<T*>(param_bucket(b)), 1.0f},
-                      options_.stream);
+      backend_.launch(
+          t.size(),
+          PackBody<T, T, PackDirection::from_bucket>{t.reading_bucket.data(), t.tensors.data(),
+                                                     static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
+          options_.stream);
     });
   }
 
@@ -468,14 +473,14 @@ class DataParallel {
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       if (mode == WriteMode::assign)
-        backend_.launch(t.items.size(),
+        backend_.launch(t.size(),
                         PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{
-                            t.items.data(), t.tensors.data(), bucket, scale},
+                            t.reading_user.data(), t.tensors.data(), bucket, scale, hint(b, sizeof(float))},
                         options_.stream);
       else
-        backend_.launch(t.items.size(),
+        backend_.launch(t.size(),
                         PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{
-                            t.items.data(), t.tensors.data(), bucket, scale},
+                            t.reading_user.data(), t.tensors.data(), bucket, scale},
                         options_.stream);
     });
   }

@@ -30,6 +30,14 @@ inline constexpr std::size_t pack_chunk_elements = 4096;
 
 enum class PackDirection { to_bucket, from_bucket };
 
+/// Launches that write more than this many bytes stream their stores past the cache (host backend).
+inline constexpr std::size_t streaming_store_bytes = std::size_t{4} << 20;
+
+/// The store hint for a launch that writes `bytes`.
+constexpr StoreHint store_hint_for(std::size_t bytes) {
+  return bytes >= streaming_store_bytes ? StoreHint::streaming : StoreHint::cached;
+}
+
 /// One tensor of a bucket: the user's buffer and where the tensor sits in the bucket.
 struct PackTensor {
   void* user = nullptr;
@@ -44,10 +52,15 @@ struct PackItem {
   std::uint64_t begin = 0;
 };
 
-/// The item tables of one bucket, built once from the plan.
+/// The item tables of one bucket, built once from the plan. Both item lists hold the same items; only the
+/// order differs, so that a host launch reads memory at ascending addresses (which the hardware prefetches):
+/// `reading_bucket` in bucket order (for unpack), `reading_user` with the tensors in layout order, as users
+/// usually allocate them (for pack). Chunks of one tensor stay ascending in both. On CUDA either will do.
 struct PackTable {
   std::vector<PackTensor> tensors;
-  std::vector<PackItem> items;
+  std::vector<PackItem> reading_bucket;
+  std::vector<PackItem> reading_user;
+  std::size_t size() const { return reading_bucket.size(); }
 };
 
 /// Builds bucket `b`'s table; user_pointers[i] is layout tensor i's buffer (param or grad).
@@ -64,8 +77,17 @@ inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vec
     table.tensors.push_back({user_pointers[i], at.offset, at.numel});
     const std::size_t numel = at.numel;
     for (std::size_t begin = 0; begin < numel; begin += chunk_elements)
-      table.items.push_back(
+      table.reading_bucket.push_back(
           {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(std::min(chunk_elements, numel - begin)), begin});
+  }
+  // reading_user: the runs of each tensor's chunks, tensors reversed.
+  const std::vector<PackItem>& items = table.reading_bucket;
+  table.reading_user.reserve(items.size());
+  for (std::size_t end = items.size(); end > 0;) {
+    std::size_t begin = end;
+    while (begin > 0 && items[begin - 1].tensor == items[end - 1].tensor) --begin;
+    for (std::size_t k = begin; k < end; ++k) table.reading_user.push_back(items[k]);
+    end = begin;
   }
   return table;
 }
@@ -73,10 +95,11 @@ inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vec
 /// The body of a pack or unpack launch over one bucket.
 template <class UserT, class BucketT, PackDirection Direction, WriteMode Mode = WriteMode::assign>
 struct PackBody {
-  const PackItem* items;
+  const PackItem* items;  ///< PackTable::reading_user for pack, ::reading_bucket for unpack
   const PackTensor* tensors;
   BucketT* bucket;
   float scale;
+  StoreHint hint = StoreHint::cached;  ///< streaming for buckets far larger than the cache
 
   TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
     const PackItem it = items[item];
@@ -84,10 +107,10 @@ struct PackBody {
     UserT* user = static_cast<UserT*>(t.user) + it.begin;
     BucketT* flat = bucket + t.offset + it.begin;
     if constexpr (Direction == PackDirection::to_bucket) {
-      detail::cast_segment<UserT, BucketT, Mode>(user, flat, it.count, scale, lane, lanes);
+      detail::cast_segment<UserT, BucketT, Mode>(user, flat, it.count, scale, lane, lanes, hint);
     } else {
       static_assert(Mode == WriteMode::assign, "unpack overwrites the user's buffers");
-      detail::cast_segment<BucketT, UserT, Mode>(flat, user, it.count, scale, lane, lanes);
+      detail::cast_segment<BucketT, UserT, Mode>(flat, user, it.count, scale, lane, lanes, hint);
     }
   }
 };

@@ -13,6 +13,11 @@
 #include <cstring>
 #include <type_traits>
 
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "tandem/backend/launch.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 
@@ -20,6 +25,10 @@ namespace tandem {
 
 /// Whether a kernel overwrites its destination or adds into it.
 enum class WriteMode { assign, accumulate };
+
+/// How a kernel stores: through the cache, or streaming (non-temporal on the host: for destinations far larger
+/// than the cache that are not read again soon, which saves the read-for-ownership of every line).
+enum class StoreHint { cached, streaming };
 
 namespace detail {
 
@@ -45,6 +54,21 @@ TANDEM_HD inline void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 #else
   std::memcpy(p, &v, sizeof v);
+#endif
+}
+
+/// A 16-byte-aligned vector store that bypasses the cache on x86 hosts (an ordinary store elsewhere).
+/// The host backend fences after every launch (detail::stream_fence in backend/launch.hpp).
+template <class T, std::size_t N>
+TANDEM_HD inline void stream_vec(T* p, const Vec<T, N>& v) {
+#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+  static_assert(sizeof(Vec<T, N>) % 16 == 0, "streaming stores move whole 16-byte vectors");
+  const char* from = reinterpret_cast<const char*>(&v);
+  char* to = reinterpret_cast<char*>(p);
+  for (std::size_t k = 0; k < sizeof(v); k += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + k), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + k)));
+#else
+  store_vec<T, N>(p, v);
 #endif
 }
 
@@ -77,8 +101,8 @@ TANDEM_HD inline std::size_t vector_head(const Src* src, const Dst* dst, std::si
 }
 
 template <class Src, class Dst, WriteMode Mode>
-TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, float scale, unsigned lane,
-                                   unsigned lanes) {
+TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, float scale, unsigned lane, unsigned lanes,
+                                   StoreHint hint = StoreHint::cached) {
   constexpr std::size_t G = group_elements<Src, Dst>;
   const std::size_t head = vector_head(src, dst, n);
   const std::size_t groups = (n - head) / G;
@@ -101,14 +125,40 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
         d.v[k] = Dst(x);
       }
     }
-    store_vec<Dst, G>(dst + at, d);
+    return d;
   };
-  if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
-    for (std::size_t g = 0; g < groups; ++g) group(g);
+  const bool streaming = hint == StoreHint::streaming && Mode == WriteMode::assign;
+  if (lanes == 1 && streaming) {  // four groups of loads in flight, then the streaming stores
+    std::size_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+#if !TANDEM_IN_DEVICE_CODE && (defined(__GNUC__) || defined(__clang__))
+      __builtin_prefetch(src + head + g * G + 1024 / sizeof(Src));  // a few lines ahead of the loads
+#endif
+      const Vec<Dst, G> d0 = group(g), d1 = group(g + 1), d2 = group(g + 2), d3 = group(g + 3);
+      stream_vec<Dst, G>(dst + head + g * G, d0);
+      stream_vec<Dst, G>(dst + head + (g + 1) * G, d1);
+      stream_vec<Dst, G>(dst + head + (g + 2) * G, d2);
+      stream_vec<Dst, G>(dst + head + (g + 3) * G, d3);
+    }
+    for (; g < groups; ++g) stream_vec<Dst, G>(dst + head + g * G, group(g));
+  } else if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
+    for (std::size_t g = 0; g < groups; ++g) store_vec<Dst, G>(dst + head + g * G, group(g));
   } else {
-    for (std::size_t g = lane; g < groups; g += lanes) group(g);
+    for (std::size_t g = lane; g < groups; g += lanes) store_vec<Dst, G>(dst + head + g * G, group(g));
   }
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
+}
+
+/// dst[0, n) = src[0, n) with streaming stores where dst is 16-byte aligned (host), ordinary stores elsewhere.
+/// The caller fences (detail::stream_fence) before others read dst.
+template <class T>
+inline void stream_copy(const T* src, T* dst, std::size_t n) {
+  constexpr std::size_t G = 16 / sizeof(T) > 0 ? 16 / sizeof(T) : 1;
+  std::size_t i = 0;
+  if (misalignment16(dst) == 0 && sizeof(T) * G == 16) {
+    for (; i + G <= n; i += G) stream_vec<T, G>(dst + i, load_vec<T, G>(src + i));
+  }
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 }  // namespace detail

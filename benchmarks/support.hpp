@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// What every host benchmark shares: the layouts the issues name (the GPT-2-124M tensor list, 10,000 x 1 KB,
+// 100 x 1 MB), a user-side arena holding one buffer per tensor, and the memcpy ceiling measured in the same
+// binary so that every figure reads as a ratio.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/core/error.hpp"
+
+namespace bench {
+
+/// Tensor sizes (elements) of a named layout: "gpt2" (148 tensors, 124,439,808 elements), "10000x1KB"
+/// (10,000 fp32 tensors of 256 elements), "100x1MB" (100 fp32 tensors of 262,144 elements).
+inline std::vector<std::size_t> layout(const std::string& name) {
+  if (name == "10000x1KB") return std::vector<std::size_t>(10000, 256);
+  if (name == "100x1MB") return std::vector<std::size_t>(100, 262144);
+  if (name != "gpt2") tandem::detail::fail("bench: unknown layout " + name);
+  std::ifstream in(TANDEM_DATA_DIR "/gpt2_124m.tsv");
+  if (!in) tandem::detail::fail("bench: cannot read " TANDEM_DATA_DIR "/gpt2_124m.tsv");
+  std::vector<std::size_t> sizes;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    std::string tensor;
+    std::size_t numel = 0;
+    fields >> tensor >> numel;
+    sizes.push_back(numel);
+  }
+  return sizes;
+}
+
+inline const char* layout_names[] = {"gpt2", "10000x1KB", "100x1MB"};
+
+inline std::size_t total(const std::vector<std::size_t>& sizes) {
+  std::size_t n = 0;
+  for (std::size_t s : sizes) n += s;
+  return n;
+}
+
+/// One user buffer per tensor, laid out back to back in one arena (each 64-byte aligned, like separate
+/// allocations), filled with small values so no kernel sees denormals.
+template <class T>
+struct Arena {
+  tandem::HostBuffer<T> storage;
+  std::vector<void*> pointers;
+
+  explicit Arena(const std::vector<std::size_t>& sizes) {
+    std::size_t at = 0;
+    std::vector<std::size_t> offsets;
+    for (std::size_t n : sizes) {
+      offsets.push_back(at);
+      at += (n + 15) / 16 * 16;
+    }
+    storage = tandem::HostBuffer<T>(at);
+    for (std::size_t e = 0; e < at; ++e) storage.data()[e] = T(0.001f * static_cast<float>(e % 1000));
+    for (std::size_t o : offsets) pointers.push_back(storage.data() + o);
+  }
+};
+
+/// Seconds per memcpy of `bytes` between two buffers (best of a few runs), measured now: each benchmark
+/// measures its ceiling right after itself, so both see the same machine state.
+inline double memcpy_seconds(std::size_t bytes) {
+  tandem::HostBuffer<unsigned char> a(bytes), b(bytes);
+  std::memset(a.data(), 1, bytes);
+  std::memset(b.data(), 2, bytes);
+  const int inner = bytes < (std::size_t{1} << 24) ? 20 : 2;
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < inner; ++i) {
+      std::memcpy(b.data(), a.data(), bytes);
+      benchmark::ClobberMemory();
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / inner);
+  }
+  return best;
+}
+
+/// Runs the benchmark loop, timing it, then reports bytes/s (`traffic_bytes` read + written per iteration)
+/// and "x_memcpy": memcpy's time for `copy_bytes`, measured right after, over this kernel's time per
+/// iteration (1.0: as fast as memcpy of those bytes; the acceptance ratios of docs/performance.md).
+template <class F>
+void run_against_memcpy(benchmark::State& state, std::size_t traffic_bytes, std::size_t copy_bytes, F&& iteration) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    iteration();
+    benchmark::ClobberMemory();
+  }
+  const double per_iteration = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                               static_cast<double>(state.iterations());
+  state.SetBytesProcessed(
+      static_cast<std::int64_t>(static_cast<double>(state.iterations()) * static_cast<double>(traffic_bytes)));
+  state.counters["x_memcpy"] = memcpy_seconds(copy_bytes) / per_iteration;
+}
+
+}  // namespace bench
