@@ -36,27 +36,6 @@ std::vector<std::size_t> gpt2_scaled() {
   return sizes;
 }
 
-/// Aggregate memcpy traffic (bytes read + written per second) of `threads` threads copying `bytes` each.
-double aggregate_memcpy_rate(int threads, std::size_t bytes) {
-  std::vector<tandem::HostBuffer<unsigned char>> a, b;
-  for (int t = 0; t < threads; ++t) {
-    a.emplace_back(bytes);
-    b.emplace_back(bytes);
-    std::memset(a.back().data(), 1, bytes);
-    std::memset(b.back().data(), 2, bytes);
-  }
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::jthread> workers;
-    for (int t = 1; t < threads; ++t) workers.emplace_back([&, t] { std::memcpy(b[t].data(), a[t].data(), bytes); });
-    std::memcpy(b[0].data(), a[0].data(), bytes);
-    workers.clear();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return 2.0 * static_cast<double>(bytes) * threads / best;
-}
-
 template <class Policy>
 double traffic_bytes(double psi, double f, double n) {
   const double s = f / n;
@@ -95,7 +74,7 @@ void BM_step(benchmark::State& state) {
   const double psi = static_cast<double>(bench::total(sizes));
   const double traffic = traffic_bytes<Policy>(psi, flat, world) * world;
   const int threads = std::min<int>(world, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  const double floor = traffic / aggregate_memcpy_rate(threads, std::size_t{64} << 20);
+  const double floor = traffic / bench::aggregate_memcpy_rate(threads, std::size_t{64} << 20);
   const double per_step = seconds / static_cast<double>(iterations);
   state.counters["floor_ms"] = floor * 1e3;
   state.counters["x_floor"] = per_step / floor;

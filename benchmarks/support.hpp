@@ -12,6 +12,8 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "tandem/backend/host.hpp"
@@ -101,6 +103,30 @@ void run_against_memcpy(benchmark::State& state, std::size_t traffic_bytes, std:
   state.SetBytesProcessed(
       static_cast<std::int64_t>(static_cast<double>(state.iterations()) * static_cast<double>(traffic_bytes)));
   state.counters["x_memcpy"] = memcpy_seconds(copy_bytes) / per_iteration;
+}
+
+/// Aggregate memcpy traffic (bytes read + written per second) of `threads` threads copying `bytes` each at once;
+/// measured on first use in this process.
+inline double aggregate_memcpy_rate(int threads, std::size_t bytes) {
+  static std::map<std::pair<int, std::size_t>, double> measured;  // once per process and shape
+  if (auto it = measured.find({threads, bytes}); it != measured.end()) return it->second;
+  std::vector<tandem::HostBuffer<unsigned char>> a, b;
+  for (int t = 0; t < threads; ++t) {
+    a.emplace_back(bytes);
+    b.emplace_back(bytes);
+    std::memset(a.back().data(), 1, bytes);
+    std::memset(b.back().data(), 2, bytes);
+  }
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::jthread> workers;
+    for (int t = 1; t < threads; ++t) workers.emplace_back([&, t] { std::memcpy(b[t].data(), a[t].data(), bytes); });
+    std::memcpy(b[0].data(), a[0].data(), bytes);
+    workers.clear();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return measured[{threads, bytes}] = 2.0 * static_cast<double>(bytes) * threads / best;
 }
 
 }  // namespace bench

@@ -6,6 +6,7 @@
 #include "tandem/backend/launch.hpp"
 #include "tandem/comm/communicator.hpp"
 #include "tandem/comm/local_group.hpp"
+#include "tandem/core/checkpoint.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"

@@ -29,6 +29,7 @@
 #include "tandem/backend/host.hpp"
 #include "tandem/comm/communicator.hpp"
 #include "tandem/comm/local_group.hpp"
+#include "tandem/core/checkpoint.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/plan.hpp"
@@ -178,6 +179,84 @@ class DataParallel {
     return result;
   }
 
+  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) to `path`,
+  /// in a layout independent of the world size and policy (core/checkpoint.hpp). Collective: every rank calls
+  /// it; rank 0 writes the file atomically. Call it between optimizer steps, not inside an accumulation window.
+  void save_checkpoint(const std::string& path) {
+    if (micro_ != 0)
+      detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
+                   " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
+    const std::vector<float> masters = pdtype_ == DType::fp32 ? std::vector<float>{} : gather_owned(master_.data());
+    std::vector<std::vector<float>> states;
+    for (std::size_t k = 0; k < state_count_; ++k) states.push_back(gather_owned(state_[k].data()));
+    std::string problem;
+    if (rank_ == 0) {
+      try {
+        CheckpointData c;
+        c.step = step_;
+        c.state_count = static_cast<std::uint32_t>(state_count_);
+        c.param_dtype = pdtype_;
+        c.optimizer = Opt::name;
+        c.saved_by_policy = P::name;
+        c.saved_world_size = static_cast<std::uint32_t>(world_);
+        c.optimizer_fingerprint = Opt::fingerprint(optimizer_);
+        c.tensors = layout_.tensors();
+        for (std::size_t i = 0; i < layout_.size(); ++i) {
+          const std::size_t at = flat_index(i), n = layout_[i].numel;
+          const auto* p = param_flat_.data() + at * psize_;
+          c.params.emplace_back(p, p + n * psize_);
+          c.masters.emplace_back(masters.empty()
+                                     ? std::vector<float>{}
+                                     : std::vector<float>(masters.begin() + static_cast<std::ptrdiff_t>(at),
+                                                          masters.begin() + static_cast<std::ptrdiff_t>(at + n)));
+          c.states.emplace_back();
+          for (const auto& st : states)
+            c.states.back().emplace_back(st.begin() + static_cast<std::ptrdiff_t>(at),
+                                         st.begin() + static_cast<std::ptrdiff_t>(at + n));
+        }
+        write_checkpoint(path, c);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+    }
+    all_ranks_succeed(problem);
+  }
+
+  /// Restores the training state from a checkpoint written by save_checkpoint, at any world size and under
+  /// any policy: the tensors (names, sizes, dtypes) and the optimizer must match. Collective. Every rank reads
+  /// and verifies the file before anything is changed; if any rank fails, every rank throws and nothing changed.
+  /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
+  void load_checkpoint(const std::string& path) {
+    std::string problem;
+    CheckpointData c;
+    try {
+      c = read_checkpoint(path);
+      check_checkpoint(c, path);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    all_ranks_succeed(problem);
+    for (std::size_t i = 0; i < layout_.size(); ++i) {
+      const std::size_t at = flat_index(i), n = layout_[i].numel;
+      if (n == 0) continue;
+      std::memcpy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_);
+      const Placement& place = plan_.placement(i);
+      const Range owned = owned_range(place.bucket);
+      const std::size_t begin = std::max(at, owned.begin), end = std::min(at + n, owned.end);
+      if (begin >= end) continue;
+      const std::size_t into = owned_offset(place.bucket) + (begin - owned.begin), from = begin - at;
+      if (pdtype_ != DType::fp32)
+        std::memcpy(master_.data() + into, c.masters[i].data() + from, (end - begin) * sizeof(float));
+      for (std::size_t k = 0; k < state_count_; ++k)
+        std::memcpy(state_[k].data() + into, c.states[i][k].data() + from, (end - begin) * sizeof(float));
+    }
+    step_ = c.step;
+    micro_ = 0;
+    synced_ = true;
+    if (storage_ == Storage::user)
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(b);
+  }
+
   /// Bytes this rank holds for training, by category, counted from the actual allocations.
   MemoryReport memory_report() const {
     MemoryReport r;
@@ -319,47 +398,86 @@ class DataParallel {
                      " buffer; every parameter and gradient needs its own memory");
   }
 
-  /// Every rank publishes (its layout's fingerprint, its options, any local problem); every rank then
-  /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
-  void agree_across_ranks(const std::string& problem) {
-    constexpr std::size_t words = 64, header = 12;
+  /// Every rank passes its own problem (empty: none); every rank throws if any rank had one. Collective.
+  void all_ranks_succeed(const std::string& problem) {
+    constexpr std::size_t words = 64;
     std::vector<std::uint64_t> mine(words, 0), all(words * static_cast<std::size_t>(world_), 0);
     mine[0] = problem.empty() ? 0 : 1;
-    mine[1] = problem.empty() ? layout_.fingerprint() : 0;
-    mine[2] = problem.empty() ? layout_.size() : 0;
-    mine[3] = problem.empty() ? layout_.total_numel() : 0;
-    mine[4] = text_hash(P::name);
-    mine[5] = text_hash(Opt::name) ^ Opt::fingerprint(optimizer_);
-    mine[6] = static_cast<std::uint64_t>(options_.accumulation_steps);
-    mine[7] = options_.bucket_cap_bytes;
-    mine[8] = options_.first_bucket_cap_bytes;
-    mine[9] = static_cast<std::uint64_t>(storage_);
-    mine[10] = static_cast<std::uint64_t>(world_);
-    std::memcpy(&mine[11], &options_.max_grad_norm, sizeof(float));
-    const std::size_t room = (words - header) * sizeof(std::uint64_t) - 1;
-    std::memcpy(&mine[header], problem.data(), std::min(room, problem.size()));
+    std::memcpy(&mine[1], problem.data(), std::min((words - 1) * sizeof(std::uint64_t) - 1, problem.size()));
     comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
-
     if (!problem.empty()) throw error(problem);
     for (int r = 0; r < world_; ++r) {
       const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
       if (w[0] != 0)
         detail::fail("tandem: rank " + std::to_string(r) +
-                     " rejected its arguments: " + std::string(reinterpret_cast<const char*>(&w[header])));
+                     " failed: " + std::string(reinterpret_cast<const char*>(&w[1])));
     }
+  }
+
+  /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
+  std::vector<float> gather_owned(const float* owned) {
+    std::vector<float> full(plan_.total_size());
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      const Bucket& bucket = plan_.bucket(b);
+      if (P::state == StateSharding::replicated)
+        std::memcpy(full.data() + bucket.offset, owned + bucket.offset, bucket.size * sizeof(float));
+      else
+        comm_.all_gather(owned + bucket.shard_offset, full.data() + bucket.offset, bucket.shard_size, DType::fp32,
+                         options_.stream);
+    }
+    return full;
+  }
+
+  void check_checkpoint(const CheckpointData& c, const std::string& path) const {
+    const std::string where = "tandem: the checkpoint `" + path + "` ";
+    if (c.optimizer != Opt::name || c.state_count != state_count_)
+      detail::fail(where + "holds " + c.optimizer + " state (" + std::to_string(c.state_count) +
+                   " arrays) but this DataParallel uses " + Opt::name + " (" + std::to_string(state_count_) + ")");
+    if (c.param_dtype != pdtype_)
+      detail::fail(where + "holds " + dtype_name(c.param_dtype) + " parameters but these are " + dtype_name(pdtype_));
+    if (c.tensors.size() != layout_.size())
+      detail::fail(where + "holds " + std::to_string(c.tensors.size()) + " tensors but the layout has " +
+                   std::to_string(layout_.size()));
+    for (std::size_t i = 0; i < layout_.size(); ++i) {
+      const TensorSpec& t = c.tensors[i];
+      if (t.name != layout_[i].name || t.numel != layout_[i].numel || t.dtype != layout_[i].dtype)
+        detail::fail(where + "differs at " + layout_.describe(i) + ": it holds `" + t.name + "` with " +
+                     std::to_string(t.numel) + " " + dtype_name(t.dtype) + " elements");
+    }
+  }
+
+  /// Every rank publishes any local problem, then its layout's fingerprint and configuration; every rank then
+  /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
+  void agree_across_ranks(const std::string& problem) {
+    all_ranks_succeed(problem);
+    constexpr std::size_t words = 11;
+    std::vector<std::uint64_t> mine(words, 0), all(words * static_cast<std::size_t>(world_), 0);
+    mine[0] = layout_.fingerprint();
+    mine[1] = layout_.size();
+    mine[2] = layout_.total_numel();
+    mine[3] = text_hash(P::name);
+    mine[4] = text_hash(Opt::name) ^ Opt::fingerprint(optimizer_);
+    mine[5] = static_cast<std::uint64_t>(options_.accumulation_steps);
+    mine[6] = options_.bucket_cap_bytes;
+    mine[7] = options_.first_bucket_cap_bytes;
+    mine[8] = static_cast<std::uint64_t>(storage_);
+    mine[9] = static_cast<std::uint64_t>(world_);
+    std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
+    comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
       const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
-      if (w[1] != w0[1])
-        detail::fail("tandem: the tensor layout differs between ranks: rank 0 has " + std::to_string(w0[2]) +
-                     " tensors of " + std::to_string(w0[3]) + " elements, rank " + std::to_string(r) + " has " +
-                     std::to_string(w[2]) + " tensors of " + std::to_string(w[3]) +
+      if (w[0] != w0[0])
+        detail::fail("tandem: the tensor layout differs between ranks: rank 0 has " + std::to_string(w0[1]) +
+                     " tensors of " + std::to_string(w0[2]) + " elements, rank " + std::to_string(r) + " has " +
+                     std::to_string(w[1]) + " tensors of " + std::to_string(w[2]) +
                      " elements (or other names, sizes or dtypes); every rank must pass the same tensors in the "
                      "same order");
-      if (!std::equal(w0 + 4, w0 + header, w + 4))
+      if (!std::equal(w0 + 3, w0 + words, w + 3))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size or max_grad_norm); every rank must use the same configuration");
+                     "bucket caps, storage, world size or max_grad_norm); every rank must use the same "
+                     "configuration");
     }
   }
 

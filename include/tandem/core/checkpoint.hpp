@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: Apache-2.0
+// The checkpoint file: tandem's whole training state in a logical, world-size-independent layout (tensor by
+// tensor, in layout order, no padding), so that it can be loaded at another world size or under another policy.
+//
+// File (little-endian):
+//   "TANDEMCK"  u32 version  u32 header_bytes  header  u32 crc32(header)
+//   per tensor, in layout order:  record  u32 crc32(record)
+//   "TNDMEND."  u64 bytes before this trailer
+// header: u64 step, u32 state_count, u8 param dtype, str optimizer, str saved_by_policy, u32 saved_world_size,
+//         u64 optimizer fingerprint, u32 tensors, then per tensor: str name, u64 numel, u8 dtype
+//         (str = u32 length + bytes)
+// record: the parameters (numel elements of the parameter dtype), then for 16-bit parameters the fp32 master
+//         weights, then state_count fp32 optimizer-state arrays (numel each).
+// Writes are atomic: a temporary file in the same directory is written, flushed to disk (fsync) and renamed
+// over the target, so a crash at any point leaves the previous checkpoint intact.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/tensor.hpp"
+
+namespace tandem {
+
+/// The logical training state a checkpoint holds.
+struct CheckpointData {
+  std::uint64_t step = 0;
+  std::uint32_t state_count = 0;
+  DType param_dtype = DType::fp32;
+  std::string optimizer;
+  std::string saved_by_policy;
+  std::uint32_t saved_world_size = 1;
+  std::uint64_t optimizer_fingerprint = 0;
+  std::vector<TensorSpec> tensors;
+  /// Per tensor: parameter bytes, fp32 masters (16-bit parameters only), state_count fp32 arrays.
+  std::vector<std::vector<unsigned char>> params;
+  std::vector<std::vector<float>> masters;
+  std::vector<std::vector<std::vector<float>>> states;
+};
+
+namespace detail {
+
+inline constexpr char checkpoint_magic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'C', 'K'};
+inline constexpr char checkpoint_trailer[8] = {'T', 'N', 'D', 'M', 'E', 'N', 'D', '.'};
+inline constexpr std::uint32_t checkpoint_version = 1;
+
+/// CRC-32 (IEEE 802.3, reflected, polynomial 0xEDB88320), continued from `crc`.
+inline std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 0) {
+  static const std::array<std::uint32_t, 256> table = [] {
+    std::array<std::uint32_t, 256> t{};
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (std::size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xffu] ^ (crc >> 8);
+  return ~crc;
+}
+
+/// Test hook: when non-zero, the writer fails (as a crash would) after this many bytes. Never set it in
+/// production code.
+inline std::size_t& checkpoint_fault_after_bytes() {
+  static thread_local std::size_t bytes = 0;
+  return bytes;
+}
+
+class CheckpointWriter {
+ public:
+  explicit CheckpointWriter(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp") {
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail("tandem: cannot create the checkpoint file `" + temp_ + "`: " + std::strerror(errno));
+  }
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter() {
+    if (fd_ >= 0) {  // not committed: leave the previous checkpoint alone and remove the partial file
+      ::close(fd_);
+      ::unlink(temp_.c_str());
+    }
+  }
+
+  void bytes(const void* data, std::size_t n) {
+    const std::size_t limit = checkpoint_fault_after_bytes();
+    if (limit != 0 && written_ + n > limit) {
+      write_all(data, limit - written_);
+      ::close(fd_);
+      fd_ = -1;  // a crash: the partial temporary file stays behind, as it would
+      fail("tandem: simulated crash while writing the checkpoint");
+    }
+    write_all(data, n);
+  }
+  template <class T>
+  void value(T v) {
+    bytes(&v, sizeof v);
+  }
+  void text(const std::string& s) {
+    value(static_cast<std::uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  std::size_t written() const { return written_; }
+
+  /// Flushes to disk and renames the temporary file over the target.
+  void commit() {
+    if (::fsync(fd_) != 0) fail("tandem: cannot flush the checkpoint `" + temp_ + "`: " + std::strerror(errno));
+    ::close(fd_);
+    fd_ = -1;
+    if (::rename(temp_.c_str(), path_.c_str()) != 0)
+      fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
+    const std::size_t slash = path_.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {  // make the rename itself durable
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+
+ private:
+  void write_all(const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail("tandem: cannot write the checkpoint `" + temp_ + "`: " + std::strerror(errno));
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      written_ += static_cast<std::size_t>(w);
+    }
+  }
+
+  std::string path_, temp_;
+  int fd_ = -1;
+  std::size_t written_ = 0;
+};
+
+/// Reads a checkpoint from memory, checking every length against what is left.
+class CheckpointReader {
+ public:
+  CheckpointReader(const std::vector<unsigned char>& data, std::string path) : data_(data), path_(std::move(path)) {}
+
+  void bytes(void* out, std::size_t n) {
+    if (n > data_.size() - at_) corrupt("it ends early (truncated?)");
+    std::memcpy(out, data_.data() + at_, n);
+    at_ += n;
+  }
+  template <class T>
+  T value() {
+    T v;
+    bytes(&v, sizeof v);
+    return v;
+  }
+  std::string text(std::size_t max = 4096) {
+    const auto n = value<std::uint32_t>();
+    if (n > max) corrupt("a string length of " + std::to_string(n) + " is implausible");
+    std::string s(n, '\0');
+    bytes(s.data(), n);
+    return s;
+  }
+  std::size_t at() const { return at_; }
+  const unsigned char* data() const { return data_.data(); }
+  std::size_t size() const { return data_.size(); }
+
+  [[noreturn]] void corrupt(const std::string& why) const {
+    fail("tandem: the checkpoint `" + path_ + "` is corrupt: " + why + " (at byte " + std::to_string(at_) + ")");
+  }
+
+ private:
+  const std::vector<unsigned char>& data_;
+  std::string path_;
+  std::size_t at_ = 0;
+};
+
+}  // namespace detail
+
+/// Writes `c` to `path` atomically (temporary file, fsync, rename). Throws tandem::error on failure; the
+/// previous file at `path`, if any, is then untouched.
+inline void write_checkpoint(const std::string& path, const CheckpointData& c) {
+  detail::CheckpointWriter w(path);
+  std::vector<unsigned char> header;
+  auto put = [&header](const void* p, std::size_t n) {
+    header.insert(header.end(), static_cast<const unsigned char*>(p), static_cast<const unsigned char*>(p) + n);
+  };
+  auto put_text = [&](const std::string& s) {
+    const auto n = static_cast<std::uint32_t>(s.size());
+    put(&n, 4);
+    put(s.data(), s.size());
+  };
+  const auto dtype = static_cast<std::uint8_t>(c.param_dtype);
+  const auto count = static_cast<std::uint32_t>(c.tensors.size());
+  put(&c.step, 8);
+  put(&c.state_count, 4);
+  put(&dtype, 1);
+  put_text(c.optimizer);
+  put_text(c.saved_by_policy);
+  put(&c.saved_world_size, 4);
+  put(&c.optimizer_fingerprint, 8);
+  put(&count, 4);
+  for (const TensorSpec& t : c.tensors) {
+    const auto d = static_cast<std::uint8_t>(t.dtype);
+    const std::uint64_t n = t.numel;
+    put_text(t.name);
+    put(&n, 8);
+    put(&d, 1);
+  }
+  w.bytes(detail::checkpoint_magic, 8);
+  w.value(detail::checkpoint_version);
+  w.value(static_cast<std::uint32_t>(header.size()));
+  w.bytes(header.data(), header.size());
+  w.value(detail::crc32(header.data(), header.size()));
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    std::uint32_t crc = detail::crc32(c.params[i].data(), c.params[i].size());
+    w.bytes(c.params[i].data(), c.params[i].size());
+    if (c.param_dtype != DType::fp32) {
+      crc = detail::crc32(c.masters[i].data(), c.masters[i].size() * 4, crc);
+      w.bytes(c.masters[i].data(), c.masters[i].size() * 4);
+    }
+    for (const auto& s : c.states[i]) {
+      crc = detail::crc32(s.data(), s.size() * 4, crc);
+      w.bytes(s.data(), s.size() * 4);
+    }
+    w.value(crc);
+  }
+  const std::uint64_t before = w.written();
+  w.bytes(detail::checkpoint_trailer, 8);
+  w.value(before);
+  w.commit();
+}
+
+/// Reads and verifies a checkpoint: magic, version, every checksum, the trailer, and that every length is
+/// plausible. Throws tandem::error naming the file and the first problem.
+inline CheckpointData read_checkpoint(const std::string& path) {
+  std::vector<unsigned char> data;
+  {
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) detail::fail("tandem: cannot open the checkpoint `" + path + "`: " + std::strerror(errno));
+    unsigned char buffer[1 << 16];
+    for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) data.insert(data.end(), buffer, buffer + n);
+    const bool bad = std::ferror(f);
+    std::fclose(f);
+    if (bad) detail::fail("tandem: cannot read the checkpoint `" + path + "`");
+  }
+  detail::CheckpointReader r(data, path);
+  char magic[8];
+  r.bytes(magic, 8);
+  if (std::memcmp(magic, detail::checkpoint_magic, 8) != 0) r.corrupt("it is not a tandem checkpoint (bad magic)");
+  const auto version = r.value<std::uint32_t>();
+  if (version != detail::checkpoint_version)
+    detail::fail("tandem: the checkpoint `" + path + "` has format version " + std::to_string(version) +
+                 "; this tandem reads version " + std::to_string(detail::checkpoint_version));
+  const auto header_bytes = r.value<std::uint32_t>();
+  if (header_bytes > data.size() - r.at()) r.corrupt("the header is longer than the file (truncated?)");
+  const std::uint32_t header_crc = detail::crc32(data.data() + r.at(), header_bytes);
+  const std::size_t header_end = r.at() + header_bytes;
+
+  CheckpointData c;
+  c.step = r.value<std::uint64_t>();
+  c.state_count = r.value<std::uint32_t>();
+  c.param_dtype = static_cast<DType>(r.value<std::uint8_t>());
+  c.optimizer = r.text();
+  c.saved_by_policy = r.text();
+  c.saved_world_size = r.value<std::uint32_t>();
+  c.optimizer_fingerprint = r.value<std::uint64_t>();
+  const auto count = r.value<std::uint32_t>();
+  if (c.state_count > 2) r.corrupt("state_count " + std::to_string(c.state_count) + " is implausible");
+  if (c.param_dtype != DType::fp32 && c.param_dtype != DType::bf16 && c.param_dtype != DType::fp16)
+    r.corrupt("unknown parameter dtype");
+  if (count > data.size()) r.corrupt("the tensor count is implausible");
+  for (std::uint32_t i = 0; i < count; ++i) {
+    TensorSpec t;
+    t.name = r.text();
+    t.numel = r.value<std::uint64_t>();
+    t.dtype = static_cast<DType>(r.value<std::uint8_t>());
+    if (t.numel > max_numel) r.corrupt("tensor " + std::to_string(i) + " has an implausible size");
+    c.tensors.push_back(std::move(t));
+  }
+  if (r.at() != header_end) r.corrupt("the header's length does not match its contents");
+  if (r.value<std::uint32_t>() != header_crc) r.corrupt("the header's checksum does not match");
+
+  const std::size_t psize = dtype_size(c.param_dtype);
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    const std::size_t n = c.tensors[i].numel;
+    const std::size_t floats = (c.param_dtype != DType::fp32 ? n : 0) + c.state_count * n;
+    if (n * psize + floats * 4 + 4 > data.size() - r.at())
+      r.corrupt("tensor " + std::to_string(i) + " (`" + c.tensors[i].name + "`) is cut short (truncated?)");
+    const std::uint32_t crc = detail::crc32(data.data() + r.at(), n * psize + floats * 4);
+    c.params.emplace_back(n * psize);
+    r.bytes(c.params.back().data(), n * psize);
+    c.masters.emplace_back(c.param_dtype != DType::fp32 ? n : 0);
+    r.bytes(c.masters.back().data(), c.masters.back().size() * 4);
+    c.states.emplace_back(c.state_count, std::vector<float>(n));
+    for (auto& s : c.states.back()) r.bytes(s.data(), n * 4);
+    if (r.value<std::uint32_t>() != crc)
+      r.corrupt("the checksum of tensor " + std::to_string(i) + " (`" + c.tensors[i].name + "`) does not match");
+  }
+  const std::size_t before = r.at();
+  char trailer[8];
+  r.bytes(trailer, 8);
+  if (std::memcmp(trailer, detail::checkpoint_trailer, 8) != 0 || r.value<std::uint64_t>() != before)
+    r.corrupt("the trailer is missing or wrong");
+  if (r.at() != data.size()) r.corrupt("there are extra bytes after the trailer");
+  return c;
+}
+
+}  // namespace tandem
