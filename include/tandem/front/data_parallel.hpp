@@ -42,19 +42,30 @@
 
 namespace tandem {
 
+/// What step() does when the reduced gradients hold a NaN or an infinity (detected on every rank alike, from
+/// the global sum of squares).
+enum class NonFinite {
+  ignore,      ///< no check: the update proceeds (and the parameters become non-finite)
+  skip_step,   ///< discard this step's gradients, leave parameters and optimizer state as they were, count it
+  throw_error  ///< throw tandem::error on every rank
+};
+
 struct DataParallelOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
   int accumulation_steps = 1;                                 ///< micro-steps per optimizer step
-  float max_grad_norm = 0.0f;  ///< > 0: scale gradients so that their global L2 norm is at most this
-  Stream stream = {};          ///< where tandem's work is ordered
+  float max_grad_norm = 0.0f;                ///< > 0: scale gradients so that their global L2 norm is at most this
+  NonFinite non_finite = NonFinite::ignore;  ///< checking costs one pass over the owned gradients
+  Stream stream = {};                        ///< where tandem's work is ordered
 };
 
 /// What one call of step() did.
 struct StepResult {
   bool updated = false;    ///< the optimizer ran (this call ended an accumulation window)
+  bool skipped = false;    ///< the window ended with non-finite gradients and NonFinite::skip_step dropped it
   std::uint64_t step = 0;  ///< optimizer steps taken so far
-  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm before clipping, when clipping
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm before clipping, when clipping or
+                                                                ///< checking for non-finite gradients
   float clip_coefficient = 1.0f;                                ///< the factor the gradients were scaled by
 };
 
@@ -159,9 +170,21 @@ class DataParallel {
     StepResult result;
     // Gradients already carry the 1/(N*k) averaging in copy mode; with owned storage it is applied here.
     const float average = storage_ == Storage::user ? 1.0f : pack_scale;
-    if (options_.max_grad_norm > 0.0f) {
+    if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
       result.grad_norm = std::sqrt(global_sum_of_squares()) * average;
-      if (result.grad_norm > options_.max_grad_norm)
+      if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
+        detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
+                     std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
+      if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::skip_step) {
+        if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
+          backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);
+        micro_ = 0;
+        ++skipped_;
+        result.skipped = true;
+        result.step = step_;
+        return result;
+      }
+      if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
         result.clip_coefficient = static_cast<float>(options_.max_grad_norm / (result.grad_norm + 1e-6));
     }
     ++step_;
@@ -293,6 +316,8 @@ class DataParallel {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   std::uint64_t step_count() const { return step_; }
+  /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step).
+  std::uint64_t skipped_steps() const { return skipped_; }
   int micro_step() const { return micro_; }
   /// The optimizer's options; change them between steps (a learning-rate schedule, say).
   OptimizerOptions& optimizer_options() { return optimizer_; }
@@ -463,6 +488,7 @@ class DataParallel {
     mine[8] = static_cast<std::uint64_t>(storage_);
     mine[9] = static_cast<std::uint64_t>(world_);
     std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
+    mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
     comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
@@ -476,7 +502,7 @@ class DataParallel {
       if (!std::equal(w0 + 3, w0 + words, w + 3))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size or max_grad_norm); every rank must use the same "
+                     "bucket caps, storage, world size, max_grad_norm or non_finite); every rank must use the same "
                      "configuration");
     }
   }
@@ -707,6 +733,7 @@ class DataParallel {
   std::size_t state_count_ = 0;
   int micro_ = 0;
   std::uint64_t step_ = 0;
+  std::uint64_t skipped_ = 0;
   bool synced_ = false;
 };
 

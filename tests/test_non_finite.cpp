@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: Apache-2.0
+// Non-finite gradients: detected from the global sum of squares, so every rank reaches the same verdict even
+// when only one rank's gradients hold the NaN; skipped (counted, nothing changed) or thrown on every rank.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../examples/mlp/mlp.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+const std::vector<int> dims = {13, 37, 29, 7};
+const mlp::Dataset& dataset() {
+  static const mlp::Dataset data(24 * 10, dims.front(), dims.back(), 3);
+  return data;
+}
+
+constexpr int poisoned_step = 3;
+
+enum class Poison { none, nan_on_rank_1, inf_on_rank_0 };
+
+struct Outcome {
+  std::vector<std::vector<float>> params;
+  std::uint64_t steps = 0, skipped = 0;
+  std::vector<std::string> errors;
+};
+
+// Trains 6 steps on `world` ranks; at poisoned_step one rank's gradient is poisoned (or, with Poison::none and
+// `leave_out`, that step is left out altogether).
+template <class P>
+Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out = false) {
+  Outcome out;
+  out.errors.resize(static_cast<std::size_t>(world));
+  std::mutex m;
+  tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 2);
+    tandem::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f},
+                                              {.bucket_cap_bytes = 1024, .non_finite = policy});
+    const int local = 24 / world;
+    try {
+      for (int step = 0; step < 6; ++step) {
+        if (leave_out && step == poisoned_step) continue;
+        model.forward_backward(dataset(), step * 24 + comm.rank() * local, local);
+        if (step == poisoned_step) {
+          if (poison == Poison::nan_on_rank_1 && comm.rank() == 1) model.grads()[2][5] = std::nanf("");
+          if (poison == Poison::inf_on_rank_0 && comm.rank() == 0)
+            model.grads()[0][0] = std::numeric_limits<float>::infinity();
+        }
+        const tandem::StepResult r = dp.step();
+        CHECK(r.skipped == (policy == tandem::NonFinite::skip_step && poison != Poison::none && step == poisoned_step));
+      }
+    } catch (const tandem::error& e) {
+      out.errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      out.params = model.params();
+      out.steps = dp.step_count();
+      out.skipped = dp.skipped_steps();
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("skip_step drops the poisoned step on every rank, exactly as if it never happened", P,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  for (Poison poison : {Poison::nan_on_rank_1, Poison::inf_on_rank_0}) {
+    const Outcome skipped = train<P>(3, tandem::NonFinite::skip_step, poison);
+    const Outcome left_out = train<P>(3, tandem::NonFinite::skip_step, Poison::none, true);
+    CHECK(skipped.params == left_out.params);
+    CHECK(skipped.steps == 5);
+    CHECK(skipped.skipped == 1);
+    CHECK(left_out.skipped == 0);
+  }
+}
+
+TEST_CASE("throw_error throws on every rank; ignore lets the NaN through") {
+  const Outcome thrown = train<tandem::GradientSharded>(3, tandem::NonFinite::throw_error, Poison::nan_on_rank_1);
+  for (const std::string& e : thrown.errors)
+    CHECK(e.find("non-finite gradients at optimizer step 4") != std::string::npos);
+  CHECK(thrown.steps == 3);
+  const Outcome ignored = train<tandem::Replicated>(2, tandem::NonFinite::ignore, Poison::nan_on_rank_1);
+  CHECK(std::isnan(ignored.params[2][5]));
+}
