@@ -241,6 +241,26 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
   std::remove(path.c_str());
 }
 
+TEST_CASE("empty tensors and empty state arrays round-trip (found by fuzzing: memcpy from a null pointer)") {
+  const std::string path = temp_path("empty");
+  tandem::CheckpointData c;
+  c.step = 3;
+  c.state_count = 1;
+  c.optimizer = "SGD";
+  c.saved_by_policy = "Replicated";
+  c.tensors = {{"empty", 0, tandem::DType::fp32}, {"x", 2, tandem::DType::fp32}};
+  c.params = {{}, std::vector<unsigned char>(8, 7)};
+  c.masters = {{}, {}};
+  c.states = {{std::vector<float>{}}, {std::vector<float>{1.0f, 2.0f}}};
+  tandem::write_checkpoint(path, c);
+  const tandem::CheckpointData back = tandem::read_checkpoint(path);
+  CHECK(back.tensors.size() == 2);
+  CHECK(back.params[0].empty());
+  CHECK(back.params[1] == c.params[1]);
+  CHECK(back.states[1][0] == c.states[1][0]);
+  std::remove(path.c_str());
+}
+
 TEST_CASE("crc32 matches the standard check value") {
   const char text[] = "123456789";
   CHECK(tandem::detail::crc32(text, 9) == 0xCBF43926u);

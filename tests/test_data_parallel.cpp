@@ -143,6 +143,7 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
           sync_in();
           const tandem::StepResult r = dp.step();
           REQUIRE(r.updated == (micro + 1 == c.accumulation));
+          REQUIRE(!r.skipped);
         }
       sync_out();
     };

@@ -152,6 +152,7 @@ class CheckpointReader {
   CheckpointReader(const std::vector<unsigned char>& data, std::string path) : data_(data), path_(std::move(path)) {}
 
   void bytes(void* out, std::size_t n) {
+    if (n == 0) return;  // (out may be the null data() of an empty array)
     if (n > data_.size() - at_) corrupt("it ends early (truncated?)");
     std::memcpy(out, data_.data() + at_, n);
     at_ += n;
@@ -239,19 +240,9 @@ inline void write_checkpoint(const std::string& path, const CheckpointData& c) {
   w.commit();
 }
 
-/// Reads and verifies a checkpoint: magic, version, every checksum, the trailer, and that every length is
-/// plausible. Throws tandem::error naming the file and the first problem.
-inline CheckpointData read_checkpoint(const std::string& path) {
-  std::vector<unsigned char> data;
-  {
-    FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) detail::fail("tandem: cannot open the checkpoint `" + path + "`: " + std::strerror(errno));
-    unsigned char buffer[1 << 16];
-    for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) data.insert(data.end(), buffer, buffer + n);
-    const bool bad = std::ferror(f);
-    std::fclose(f);
-    if (bad) detail::fail("tandem: cannot read the checkpoint `" + path + "`");
-  }
+/// Verifies and decodes checkpoint bytes: magic, version, every checksum, the trailer, and that every length is
+/// plausible. `path` names the source in messages. Throws tandem::error naming the first problem.
+inline CheckpointData parse_checkpoint(const std::vector<unsigned char>& data, const std::string& path) {
   detail::CheckpointReader r(data, path);
   char magic[8];
   r.bytes(magic, 8);
@@ -312,6 +303,19 @@ inline CheckpointData read_checkpoint(const std::string& path) {
     r.corrupt("the trailer is missing or wrong");
   if (r.at() != data.size()) r.corrupt("there are extra bytes after the trailer");
   return c;
+}
+
+/// Reads and verifies the checkpoint at `path` (parse_checkpoint).
+inline CheckpointData read_checkpoint(const std::string& path) {
+  std::vector<unsigned char> data;
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) detail::fail("tandem: cannot open the checkpoint `" + path + "`: " + std::strerror(errno));
+  unsigned char buffer[1 << 16];
+  for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) data.insert(data.end(), buffer, buffer + n);
+  const bool bad = std::ferror(f);
+  std::fclose(f);
+  if (bad) detail::fail("tandem: cannot read the checkpoint `" + path + "`");
+  return parse_checkpoint(data, path);
 }
 
 }  // namespace tandem

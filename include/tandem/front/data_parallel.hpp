@@ -164,7 +164,7 @@ class DataParallel {
     }
     if (!boundary) {
       ++micro_;
-      return {false, step_};
+      return {.updated = false, .step = step_};
     }
 
     StepResult result;
