@@ -13,6 +13,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/stream.hpp"
@@ -26,10 +30,17 @@ class HostBuffer {
   HostBuffer() = default;
   explicit HostBuffer(std::size_t n) : size_(n) {
     if (n == 0) return;
-    if (n > (SIZE_MAX - 63) / sizeof(T)) throw std::bad_alloc();
-    const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
-    data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
+    constexpr std::size_t huge = std::size_t{2} << 20;
+    if (n > (SIZE_MAX - huge) / sizeof(T)) throw std::bad_alloc();
+    // Large buffers are aligned to 2 MiB and offered to transparent huge pages: tandem's kernels stream
+    // through several of them at once, and 4 KiB pages would spend much of that time in page walks.
+    const std::size_t align = n * sizeof(T) >= 2 * huge ? huge : 64;
+    const std::size_t bytes = (n * sizeof(T) + align - 1) / align * align;
+    data_.reset(static_cast<T*>(std::aligned_alloc(align, bytes)));
     if (!data_) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+    if (align == huge) ::madvise(data_.get(), bytes, MADV_HUGEPAGE);  // a hint: failure changes nothing
+#endif
   }
   T* data() const { return data_.get(); }
   std::size_t size() const { return size_; }
