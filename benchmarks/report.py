@@ -60,6 +60,11 @@ def main(results, docs):
     # ---- acceptance ---------------------------------------------------------------------------------------------
     w("## Targets")
     w("")
+    w("Read these on the machine that produced them, and rerun before comparing: on the 2-core virtual machines "
+      "this project is developed on, memory bandwidth varies from run to run by up to 2x (a memcpy ceiling "
+      "measured minutes apart differs as much), which moves every ratio below; `step()` in particular shows "
+      "two modes, about 1x and 3x its floor, between runs of the same binary.")
+    w("")
     w("| target | measured | |")
     w("|---|---|---|")
     checks = []
