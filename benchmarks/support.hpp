@@ -8,14 +8,13 @@
 
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "scaling/scaling_model.hpp"
 #include "tandem/backend/host.hpp"
 #include "tandem/core/error.hpp"
 
@@ -27,17 +26,9 @@ inline std::vector<std::size_t> layout(const std::string& name) {
   if (name == "10000x1KB") return std::vector<std::size_t>(10000, 256);
   if (name == "100x1MB") return std::vector<std::size_t>(100, 262144);
   if (name != "gpt2") tandem::detail::fail("bench: unknown layout " + name);
-  std::ifstream in(TANDEM_DATA_DIR "/gpt2_124m.tsv");
-  if (!in) tandem::detail::fail("bench: cannot read " TANDEM_DATA_DIR "/gpt2_124m.tsv");
   std::vector<std::size_t> sizes;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream fields(line);
-    std::string tensor;
-    std::size_t numel = 0;
-    fields >> tensor >> numel;
-    sizes.push_back(numel);
-  }
+  for (const auto& t : tandem::scaling::load_tensor_list(TANDEM_DATA_DIR "/gpt2_124m.tsv", name).tensors)
+    sizes.push_back(t.numel);
   return sizes;
 }
 

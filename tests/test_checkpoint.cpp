@@ -12,9 +12,14 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/params.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
+
+using test::as_float;
+using test::max_relative_error;
+using test::Params;
 
 const std::vector<int> dims = {13, 37, 29, 23, 19, 7};
 constexpr int global_batch = 24;
@@ -26,16 +31,6 @@ const mlp::Dataset& dataset() {
 
 std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("tandem_test_" + name + ".ckpt")).string();
-}
-
-using Params = std::vector<std::vector<float>>;
-
-template <class T>
-Params as_float(const std::vector<std::vector<T>>& p) {
-  Params out(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i)
-    for (const T& v : p[i]) out[i].push_back(static_cast<float>(v));
-  return out;
 }
 
 enum class Action { none, save, load };
@@ -67,19 +62,6 @@ Params train(int world, int first, int last, Action action, const std::string& p
     }
   });
   return out;
-}
-
-double max_relative_error(const Params& a, const Params& ref) {
-  double worst = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    double d = 0, r = 0;
-    for (std::size_t e = 0; e < ref[i].size(); ++e) {
-      d += double(a[i][e] - ref[i][e]) * double(a[i][e] - ref[i][e]);
-      r += double{ref[i][e]} * ref[i][e];
-    }
-    worst = std::max(worst, std::sqrt(d / r));
-  }
-  return worst;
 }
 
 std::vector<char> read_file(const std::string& path) {

@@ -10,9 +10,14 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/params.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
+
+using test::as_float;
+using test::max_relative_error;
+using test::Params;
 
 const std::vector<int> dims = {13, 37, 29, 23, 19, 7};  // 11 tensors, odd sizes
 constexpr int global_batch = 24;                        // divisible by 1, 2, 3, 4
@@ -40,17 +45,6 @@ const mlp::Dataset& dataset() {
   return data;
 }
 
-// Trained parameters as floats, tensor by tensor.
-using Params = std::vector<std::vector<float>>;
-
-template <class T>
-Params to_float(const std::vector<std::vector<T>>& p) {
-  Params out(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i)
-    for (const T& v : p[i]) out[i].push_back(static_cast<float>(v));
-  return out;
-}
-
 // ---- the reference: one rank, the whole global batch, plain loops -------------------------------------------
 
 // `pieces` > 1 computes each step's whole-batch gradient as the mean of that many sub-batch gradients: the
@@ -61,7 +55,7 @@ template <class T>
 Params train_reference(const Config& c, int pieces = 1) {
   mlp::Mlp<T> model(dims, init_seed);
   const std::size_t nt = model.params().size();
-  Params master = to_float(model.params()), m(nt), v(nt);
+  Params master = as_float(model.params()), m(nt), v(nt);
   for (std::size_t i = 0; i < nt; ++i) {
     m[i].assign(master[i].size(), 0.0f);
     v[i].assign(master[i].size(), 0.0f);
@@ -71,7 +65,7 @@ Params train_reference(const Config& c, int pieces = 1) {
     Params g;
     for (int p = 0; p < pieces; ++p) {
       model.forward_backward(dataset(), (step - 1) * batch + p * batch / pieces, batch / pieces);
-      Params part = to_float(model.grads());
+      Params part = as_float(model.grads());
       if (p == 0)
         g = part;
       else
@@ -114,7 +108,7 @@ Params train_reference(const Config& c, int pieces = 1) {
         model.params()[i][e] = T(w);
       }
   }
-  return to_float(model.params());
+  return as_float(model.params());
 }
 
 // ---- tandem: N ranks as threads ------------------------------------------------------------------------------
@@ -184,23 +178,10 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
     }
     if (comm.rank() == c.world - 1) {  // any rank: all must agree, checked below via rank 0 vs last
       std::lock_guard lock(m);
-      result = to_float(model.params());
+      result = as_float(model.params());
     }
   });
   return result;
-}
-
-double max_relative_error(const Params& a, const Params& ref) {
-  double worst = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    double d = 0, r = 0;
-    for (std::size_t e = 0; e < ref[i].size(); ++e) {
-      d += double(a[i][e] - ref[i][e]) * double(a[i][e] - ref[i][e]);
-      r += double{ref[i][e]} * ref[i][e];
-    }
-    worst = std::max(worst, std::sqrt(d / r));
-  }
-  return worst;
 }
 
 bool bitwise_equal(const Params& a, const Params& b) {

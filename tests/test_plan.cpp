@@ -8,6 +8,7 @@
 #include <sstream>
 #include <vector>
 
+#include "../benchmarks/scaling/scaling_model.hpp"
 #include "tandem/core/plan.hpp"
 
 namespace {
@@ -157,17 +158,9 @@ TEST_CASE("a tensor larger than the cap gets a bucket of its own; the first buck
 }
 
 TEST_CASE("GPT-2-124M tensor list: 148 tensors planned with the default caps") {
-  std::ifstream in(TANDEM_TEST_DATA_DIR "/gpt2_124m.tsv");
-  REQUIRE(in.good());
   std::vector<std::size_t> sizes;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream fields(line);
-    std::string name;
-    std::size_t numel = 0;
-    fields >> name >> numel;
-    sizes.push_back(numel);
-  }
+  for (const auto& t : tandem::scaling::load_tensor_list(TANDEM_TEST_DATA_DIR "/gpt2_124m.tsv", "gpt2").tensors)
+    sizes.push_back(t.numel);
   REQUIRE(sizes.size() == 148);
   std::size_t total = 0;
   for (auto n : sizes) total += n;

@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+// What the training tests share: trained parameters as floats, and the per-tensor relative error that the
+// equivalence guarantees of docs/design.md are stated in.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace test {
+
+using Params = std::vector<std::vector<float>>;
+
+template <class T>
+Params as_float(const std::vector<std::vector<T>>& p) {
+  Params out(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i)
+    for (const T& v : p[i]) out[i].push_back(static_cast<float>(v));
+  return out;
+}
+
+/// The largest over tensors of ‖a − ref‖ / ‖ref‖.
+inline double max_relative_error(const Params& a, const Params& ref) {
+  double worst = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    double d = 0, r = 0;
+    for (std::size_t e = 0; e < ref[i].size(); ++e) {
+      d += double(a[i][e] - ref[i][e]) * double(a[i][e] - ref[i][e]);
+      r += double{ref[i][e]} * ref[i][e];
+    }
+    worst = std::max(worst, std::sqrt(d / r));
+  }
+  return worst;
+}
+
+}  // namespace test
