@@ -37,6 +37,16 @@ def gbps(b):
     return b.get("bytes_per_second", 0.0) / 1e9
 
 
+def save_plot(fig, ax, title, path, w):
+    """Titles, legends and writes one figure, and links it from the page."""
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    w(f"![{os.path.basename(path)}](performance/{os.path.basename(path)})")
+    w("")
+
+
 def verdict(ok):
     return "**met**" if ok else "**not met**"
 
@@ -113,12 +123,7 @@ def main(results, docs):
                label=k)
     ax.set_xticks([x + 1.5 * width for x in range(len(layouts))], layouts)
     ax.set_ylabel("GB/s (bytes read + written)")
-    ax.set_title("Host pack/unpack vs memcpy")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(img, "pack.png"), dpi=110)
-    w("![pack](performance/pack.png)")
-    w("")
+    save_plot(fig, ax, "Host pack/unpack vs memcpy", os.path.join(img, "pack.png"), w)
 
     # ---- optimizer ----------------------------------------------------------------------------------------------
     w("## Optimizer updates (host)")
@@ -154,12 +159,7 @@ def main(results, docs):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes")
     ax.set_ylabel("algorithm bandwidth, GB/s")
-    ax.set_title("LocalGroup collectives")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img, "collectives.png"), dpi=110)
-    w("![collectives](performance/collectives.png)")
-    w("")
+    save_plot(fig, ax, "LocalGroup collectives", os.path.join(img, "collectives.png"), w)
 
     # ---- step ---------------------------------------------------------------------------------------------------
     w("## DataParallel::step()")
@@ -185,13 +185,8 @@ def main(results, docs):
     ax.set_xlabel("ranks (threads; the machine has %s cores)" % ctx.get("num_cpus"))
     ax.set_ylabel("ms per step")
     ax.set_xticks([1, 2, 3, 4])
-    ax.set_title("step() time and its memory-traffic floor")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img, "step.png"), dpi=110)
     w("")
-    w("![step](performance/step.png)")
-    w("")
+    save_plot(fig, ax, "step() time and its memory-traffic floor", os.path.join(img, "step.png"), w)
     w("Host builds of tandem's targets use `-fno-math-errno`, which lets the compiler vectorize the square root "
       "in AdamW (sqrt need not set errno); build your host code with it too for the same figures.")
     w("")
