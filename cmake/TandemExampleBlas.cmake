@@ -1,0 +1,28 @@
+# SPDX-License-Identifier: Apache-2.0
+#
+# tandem_example_blas: CBLAS from OpenBLAS for the tiny transformer example and its tests (not part of the library,
+# which needs no BLAS). Defines the INTERFACE target tandem_example_blas when OpenBLAS and cblas.h are found
+# (Debian: libopenblas-dev), with TINY_HAVE_OPENBLAS_THREADS when openblas_set_num_threads exists.
+include_guard(GLOBAL)
+
+set(BLA_VENDOR OpenBLAS)
+find_package(BLAS QUIET)
+find_path(TANDEM_CBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas)
+if(BLAS_FOUND AND TANDEM_CBLAS_INCLUDE_DIR)
+  add_library(tandem_example_blas INTERFACE)
+  target_link_libraries(tandem_example_blas INTERFACE ${BLAS_LIBRARIES})
+  target_include_directories(tandem_example_blas SYSTEM INTERFACE "${TANDEM_CBLAS_INCLUDE_DIR}")
+  include(CheckCXXSymbolExists)
+  include(CMakePushCheckState)
+  cmake_push_check_state(RESET)
+  set(CMAKE_REQUIRED_LIBRARIES ${BLAS_LIBRARIES})
+  set(CMAKE_REQUIRED_INCLUDES "${TANDEM_CBLAS_INCLUDE_DIR}")
+  set(CMAKE_REQUIRED_QUIET ON)
+  check_cxx_symbol_exists(openblas_set_num_threads cblas.h TANDEM_HAVE_OPENBLAS_THREADS)
+  cmake_pop_check_state()
+  if(TANDEM_HAVE_OPENBLAS_THREADS)
+    target_compile_definitions(tandem_example_blas INTERFACE TINY_HAVE_OPENBLAS_THREADS)
+  endif()
+else()
+  message(STATUS "tandem: OpenBLAS with cblas.h not found (Debian: libopenblas-dev); the tiny transformer is skipped")
+endif()

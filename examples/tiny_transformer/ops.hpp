@@ -1,0 +1,163 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tiny transformer's non-GEMM operations, one row (or one element) at a time, as host+device bodies:
+// the host runs them over rows in loops; a CUDA path launches the same bodies one row per block. T is
+// float for training and double for the finite-difference checks.
+//
+// Shapes: a "row" is one token's vector of `c` features (layer norm, bias, GELU), one query's attention
+// scores over the `len` keys it may see (causal softmax), or one token's `v` logits (cross-entropy).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "tandem/core/config.hpp"
+
+namespace tiny {
+
+// --- exp and tanh --------------------------------------------------------------------------------------------------
+// float: a branch-free exp (range reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, scaling by 2^n
+// through the exponent bits; relative error < 2e-7 for x in [-87, 88], clamped outside) that compilers
+// vectorize; double: the C library's, for the reference checks.
+
+TANDEM_HD inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = x - n * 0.693145751953125f - n * 1.428606820309417e-06f;  // ln 2 split in two for exactness
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;  // 2^n (n in [-126, 127])
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+TANDEM_HD inline double exp_approx(double x) { return std::exp(x); }
+
+/// tanh(y) = 1 - 2 / (exp(2y) + 1); absolute error < 2e-7 in float.
+template <class T>
+TANDEM_HD inline T tanh_approx(T y) {
+  return T(1) - T(2) / (exp_approx(T(2) * y) + T(1));
+}
+
+// --- GELU (the tanh form of GPT-2 and of PyTorch's nn.GELU(approximate="tanh")) -----------------------------------
+//   g(x) = x/2 (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   g'(x) = (1 + tanh(u))/2 + x/2 (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+
+inline constexpr double gelu_k = 0.7978845608028654;  // sqrt(2/pi)
+inline constexpr double gelu_c = 0.044715;
+
+template <class T>
+TANDEM_HD inline T gelu(T x) {
+  const T u = T(gelu_k) * (x + T(gelu_c) * x * x * x);
+  return T(0.5) * x * (T(1) + tanh_approx(u));
+}
+
+template <class T>
+TANDEM_HD inline T gelu_grad(T x) {
+  const T u = T(gelu_k) * (x + T(gelu_c) * x * x * x);
+  const T t = tanh_approx(u);
+  return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(gelu_k) * (T(1) + T(3 * gelu_c) * x * x);
+}
+
+// --- Layer norm over one row of c features ---------------------------------------------------------------------------
+//   y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var + eps), var the biased variance (as PyTorch).
+
+inline constexpr double layernorm_eps = 1e-5;
+
+template <class T>
+TANDEM_HD inline void layernorm_row(const T* x, const T* w, const T* b, T* y, T* mean_out, T* rstd_out, int c) {
+  T sum = 0;
+  for (int i = 0; i < c; ++i) sum += x[i];
+  const T mean = sum / T(c);
+  T var = 0;
+  for (int i = 0; i < c; ++i) var += (x[i] - mean) * (x[i] - mean);
+  const T rstd = T(1) / std::sqrt(var / T(c) + T(layernorm_eps));
+  for (int i = 0; i < c; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+  *mean_out = mean;
+  *rstd_out = rstd;
+}
+
+/// Backward of layernorm_row: dx += ..., dw += dy * xhat, db += dy (accumulated, so rows can be summed).
+///   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * w
+template <class T>
+TANDEM_HD inline void layernorm_row_backward(const T* dy, const T* x, const T* w, T mean, T rstd, T* dx, T* dw, T* db,
+                                             int c) {
+  T sum_dxhat = 0, sum_dxhat_xhat = 0;
+  for (int i = 0; i < c; ++i) {
+    const T xhat = (x[i] - mean) * rstd;
+    const T dxhat = dy[i] * w[i];
+    sum_dxhat += dxhat;
+    sum_dxhat_xhat += dxhat * xhat;
+    dw[i] += dy[i] * xhat;
+    db[i] += dy[i];
+  }
+  const T m1 = sum_dxhat / T(c), m2 = sum_dxhat_xhat / T(c);
+  for (int i = 0; i < c; ++i) {
+    const T xhat = (x[i] - mean) * rstd;
+    dx[i] += rstd * (dy[i] * w[i] - m1 - xhat * m2);
+  }
+}
+
+// --- Causal softmax over one query's row of scores
+// --------------------------------------------------------------------- Row i of a (len_total x len_total) score matrix
+// sees keys 0..i: p[j] = softmax(s[0..i])[j] for j <= i, 0 after.
+
+template <class T>
+TANDEM_HD inline void causal_softmax_row(T* p, int seen, int len_total) {
+  T max = p[0];
+  for (int j = 1; j < seen; ++j) max = p[j] > max ? p[j] : max;
+  T sum = 0;
+  for (int j = 0; j < seen; ++j) {
+    p[j] = exp_approx(p[j] - max);
+    sum += p[j];
+  }
+  const T inv = T(1) / sum;
+  for (int j = 0; j < seen; ++j) p[j] *= inv;
+  for (int j = seen; j < len_total; ++j) p[j] = 0;
+}
+
+/// In place: dp (the gradient of p) becomes the gradient of the scores, ds_j = p_j (dp_j - sum_k p_k dp_k).
+template <class T>
+TANDEM_HD inline void causal_softmax_row_backward(const T* p, T* dp, int seen, int len_total) {
+  T dot = 0;
+  for (int j = 0; j < seen; ++j) dot += p[j] * dp[j];
+  for (int j = 0; j < seen; ++j) dp[j] = p[j] * (dp[j] - dot);
+  for (int j = seen; j < len_total; ++j) dp[j] = 0;
+}
+
+// --- Softmax cross-entropy over one row of v logits ------------------------------------------------------------------
+
+struct CrossEntropyRow {
+  double loss = 0;       ///< -log softmax(logits)[target]
+  bool correct = false;  ///< argmax(logits) == target (the first maximum on ties)
+};
+
+/// Loss of one row against `target`; with `grad_scale` != 0 the logits are replaced by their gradient,
+/// (softmax - onehot(target)) * grad_scale.
+template <class T>
+TANDEM_HD inline CrossEntropyRow cross_entropy_row(T* logits, int target, int v, T grad_scale) {
+  T max = logits[0];
+  int arg = 0;
+  for (int j = 1; j < v; ++j)
+    if (logits[j] > max) max = logits[j], arg = j;
+  T sum = 0;
+  for (int j = 0; j < v; ++j) sum += exp_approx(logits[j] - max);
+  CrossEntropyRow out;
+  out.loss = static_cast<double>(std::log(sum) - (logits[target] - max));
+  out.correct = arg == target;
+  if (grad_scale != T(0)) {
+    const T inv = T(1) / sum;
+    for (int j = 0; j < v; ++j) logits[j] = exp_approx(logits[j] - max) * inv * grad_scale;
+    logits[target] -= grad_scale;
+  }
+  return out;
+}
+
+}  // namespace tiny

@@ -1,0 +1,225 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tiny transformer's backward pass against central finite differences in double precision: every row
+// operation on its own (LayerNorm, GELU, causal softmax, cross-entropy), then every parameter of a whole
+// small model (which covers the embeddings, attention, MLP, residuals and head through their composition).
+// The float model, which trains, is checked against the double one; its fast exp against the C library's.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "../examples/tiny_transformer/model.hpp"
+
+namespace {
+
+std::vector<double> random_vector(std::size_t n, std::mt19937_64& rng, double scale = 1.0) {
+  std::normal_distribution<double> normal(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = normal(rng);
+  return v;
+}
+
+/// Central difference of f at x[i] (x restored afterwards).
+template <class F>
+double numeric_derivative(std::vector<double>& x, std::size_t i, F&& f, double h = 1e-6) {
+  const double saved = x[i];
+  x[i] = saved + h;
+  const double up = f();
+  x[i] = saved - h;
+  const double down = f();
+  x[i] = saved;
+  return (up - down) / (2 * h);
+}
+
+/// |a - b| <= tol * max(1, |b|): relative for large values, absolute near zero.
+void check_close(double analytic, double numeric, double tol, const std::string& what) {
+  INFO(what << ": analytic " << analytic << ", numeric " << numeric);
+  CHECK(std::abs(analytic - numeric) <= tol * std::max(1.0, std::abs(numeric)));
+}
+
+}  // namespace
+
+TEST_CASE("exp_approx and tanh_approx match the C library in float") {
+  double worst_exp = 0, worst_tanh = 0;
+  for (float x = -87.0f; x <= 88.0f; x += 0.0137f) {
+    const double ref = std::exp(double(x));
+    worst_exp = std::max(worst_exp, std::abs(tiny::exp_approx(x) - ref) / ref);
+  }
+  for (float y = -12.0f; y <= 12.0f; y += 0.00113f)
+    worst_tanh = std::max(worst_tanh, std::abs(double(tiny::tanh_approx(y)) - std::tanh(double(y))));
+  CHECK(worst_exp < 3e-7);
+  CHECK(worst_tanh < 3e-7);
+  CHECK(tiny::exp_approx(-1000.0f) >= 0.0f);
+  CHECK(tiny::exp_approx(-1000.0f) < 1e-37f);
+  CHECK(std::isfinite(tiny::exp_approx(1000.0f)));
+}
+
+TEST_CASE("row operations: backward equals finite differences (double)") {
+  std::mt19937_64 rng(11);
+  const int c = 13;
+
+  SUBCASE("GELU") {
+    for (double x : {-4.0, -1.3, -0.2, 0.0, 0.05, 0.7, 2.5, 6.0}) {
+      std::vector<double> v{x};
+      check_close(tiny::gelu_grad(x), numeric_derivative(v, 0, [&] { return tiny::gelu(v[0]); }), 1e-7, "gelu'");
+    }
+  }
+
+  SUBCASE("LayerNorm: d/dx, d/dw, d/db of sum(dy * y)") {
+    auto x = random_vector(c, rng, 2.0), w = random_vector(c, rng), b = random_vector(c, rng),
+         dy = random_vector(c, rng);
+    auto objective = [&] {
+      std::vector<double> y(c);
+      double mean, rstd, s = 0;
+      tiny::layernorm_row(x.data(), w.data(), b.data(), y.data(), &mean, &rstd, c);
+      for (int i = 0; i < c; ++i) s += dy[i] * y[i];
+      return s;
+    };
+    std::vector<double> y(c), dx(c, 0.5), dw(c, 0.25), db(c, -1.0);  // accumulates onto what is there
+    double mean, rstd;
+    tiny::layernorm_row(x.data(), w.data(), b.data(), y.data(), &mean, &rstd, c);
+    tiny::layernorm_row_backward(dy.data(), x.data(), w.data(), mean, rstd, dx.data(), dw.data(), db.data(), c);
+    for (int i = 0; i < c; ++i) {
+      check_close(dx[i] - 0.5, numeric_derivative(x, i, objective), 1e-6, "dx");
+      check_close(dw[i] - 0.25, numeric_derivative(w, i, objective), 1e-6, "dw");
+      check_close(db[i] + 1.0, numeric_derivative(b, i, objective), 1e-6, "db");
+    }
+  }
+
+  SUBCASE("causal softmax: row i sees keys 0..i, the rest is zero") {
+    const int len = 9, seen = 6;
+    auto s = random_vector(len, rng, 3.0), dp = random_vector(len, rng);
+    auto objective = [&] {
+      std::vector<double> p = s;
+      tiny::causal_softmax_row(p.data(), seen, len);
+      double o = 0;
+      for (int j = 0; j < len; ++j) o += dp[j] * p[j];
+      return o;
+    };
+    std::vector<double> p = s;
+    tiny::causal_softmax_row(p.data(), seen, len);
+    double total = 0;
+    for (int j = 0; j < seen; ++j) total += p[j];
+    CHECK(total == doctest::Approx(1.0).epsilon(1e-14));
+    for (int j = seen; j < len; ++j) CHECK(p[j] == 0.0);
+    std::vector<double> ds = dp;
+    tiny::causal_softmax_row_backward(p.data(), ds.data(), seen, len);
+    for (int j = 0; j < len; ++j) check_close(ds[j], numeric_derivative(s, j, objective), 1e-6, "dscore");
+  }
+
+  SUBCASE("cross-entropy: loss, argmax and gradient") {
+    const int v = 11, target = 4;
+    auto logits = random_vector(v, rng, 2.0);
+    logits[7] = 9.0;  // the argmax, not the target
+    auto loss = [&] {
+      std::vector<double> l = logits;
+      return tiny::cross_entropy_row(l.data(), target, v, 0.0).loss;
+    };
+    double lse = 0;
+    for (double z : logits) lse += std::exp(z);
+    CHECK(loss() == doctest::Approx(std::log(lse) - logits[target]).epsilon(1e-13));
+    std::vector<double> g = logits;
+    const auto row = tiny::cross_entropy_row(g.data(), target, v, 0.5);
+    CHECK_FALSE(row.correct);
+    for (int j = 0; j < v; ++j) check_close(g[j], 0.5 * numeric_derivative(logits, j, loss), 1e-7, "dlogit");
+  }
+}
+
+namespace {
+
+tiny::ModelConfig small_config() {
+  return {.vocab = 7, .context = 6, .width = 8, .layers = 2, .heads = 2, .mlp_ratio = 2};
+}
+
+struct SmallBatch {
+  int batch = 3, len = 5;
+  std::vector<int> tokens, targets;
+  explicit SmallBatch(std::uint64_t seed, int vocab) {
+    std::mt19937_64 rng(seed);
+    for (int i = 0; i < batch * len; ++i) {
+      tokens.push_back(static_cast<int>(rng() % vocab));
+      targets.push_back(i % 4 == 1 ? -1 : static_cast<int>(rng() % vocab));  // some rows have no target
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("whole model: every parameter's gradient equals finite differences (double)") {
+  tiny::Transformer<double> model(small_config(), 3);
+  // Larger weights than GPT-2's init, so that attention is far from uniform and every path carries signal.
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal(0.0, 0.3);
+  for (double& p : model.parameters()) p += normal(rng);
+  const SmallBatch data(9, 7);
+
+  model.forward(data.tokens.data(), data.targets.data(), data.batch, data.len, tiny::Pass::train);
+  std::vector<double>& grads = model.gradients();
+  std::fill(grads.begin(), grads.end(), std::nan(""));  // backward must write every element
+  model.backward();
+  const std::vector<double> analytic = grads;
+
+  std::vector<double>& params = model.parameters();
+  auto loss = [&] {
+    return model.forward(data.tokens.data(), data.targets.data(), data.batch, data.len, tiny::Pass::evaluate)
+        .mean_loss();
+  };
+  std::size_t checked = 0;
+  double worst = 0;
+  for (std::size_t t = 0; t < model.num_tensors(); ++t) {
+    const std::size_t begin = model.param(t) - params.data();
+    for (std::size_t i = begin; i < begin + model.tensor_numel(t); ++i) {
+      const double numeric = numeric_derivative(params, i, loss);
+      INFO(model.tensor_name(t) << "[" << (i - begin) << "]");
+      check_close(analytic[i], numeric, 1e-6, "gradient");
+      worst = std::max(worst, std::abs(analytic[i] - numeric));
+      ++checked;
+    }
+  }
+  CHECK(checked == model.num_parameters());
+  MESSAGE("max |analytic - numeric| over " << checked << " parameters: " << worst);
+  // The rows without a target contribute nothing: the wpe rows of unused positions (len 5 < context 6) are 0.
+  const std::size_t wpe_begin = model.param(1) - params.data();
+  for (std::size_t i = wpe_begin + 5 * 8; i < wpe_begin + 6 * 8; ++i) CHECK(analytic[i] == 0.0);
+}
+
+TEST_CASE("the float model (fast exp, float BLAS) tracks the double model") {
+  const tiny::ModelConfig cfg{.vocab = 19, .context = 16, .width = 32, .layers = 2, .heads = 4, .mlp_ratio = 4};
+  tiny::Transformer<double> ref(cfg, 8);
+  tiny::Transformer<float> model(cfg, 8);
+  for (std::size_t i = 0; i < ref.num_parameters(); ++i) ref.parameters()[i] = double(model.parameters()[i]);
+  std::mt19937_64 rng(21);
+  const int batch = 4, len = 16;
+  std::vector<int> tokens(batch * len), targets(batch * len);
+  for (int i = 0; i < batch * len; ++i) tokens[i] = int(rng() % 19), targets[i] = int(rng() % 19);
+
+  const auto a = model.forward(tokens.data(), targets.data(), batch, len, tiny::Pass::train);
+  const auto b = ref.forward(tokens.data(), targets.data(), batch, len, tiny::Pass::train);
+  CHECK(a.mean_loss() == doctest::Approx(b.mean_loss()).epsilon(1e-5));
+  model.backward();
+  ref.backward();
+  for (std::size_t t = 0; t < ref.num_tensors(); ++t) {
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < ref.tensor_numel(t); ++i) {
+      const double d = double(model.grad(t)[i]) - ref.grad(t)[i];
+      diff += d * d;
+      norm += ref.grad(t)[i] * ref.grad(t)[i];
+    }
+    INFO(ref.tensor_name(t));
+    CHECK(std::sqrt(diff) <= 1e-4 * std::sqrt(norm) + 1e-9);
+  }
+}
+
+TEST_CASE("bad input is rejected with a message") {
+  tiny::Transformer<float> model(small_config(), 1);
+  std::vector<int> tokens{1, 2, 7}, targets{1, 2, 3};
+  CHECK_THROWS_WITH_AS(model.forward(tokens.data(), targets.data(), 1, 3, tiny::Pass::train),
+                       doctest::Contains("outside the vocabulary"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(model.forward(tokens.data(), targets.data(), 1, 7, tiny::Pass::train),
+                       doctest::Contains("context"), std::invalid_argument);
+  CHECK_THROWS_AS(model.backward(), std::logic_error);
+  CHECK_THROWS_WITH_AS(tiny::Transformer<float>({.width = 10, .heads = 4}, 1), doctest::Contains("multiple of heads"),
+                       std::invalid_argument);
+}
