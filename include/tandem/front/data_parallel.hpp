@@ -59,6 +59,12 @@ struct DataParallelOptions {
   Stream stream = {};                        ///< where tandem's work is ordered
 };
 
+/// Whether this rank has another micro-batch to train on, for DataParallel::all_ranks_have_batch.
+enum class Batch {
+  available,  ///< this rank will call step() once more
+  exhausted   ///< this rank's data is used up
+};
+
 /// What one call of step() did.
 struct StepResult {
   bool updated = false;    ///< the optimizer ran (this call ended an accumulation window)
@@ -200,6 +206,37 @@ class DataParallel {
     result.updated = true;
     result.step = step_;
     return result;
+  }
+
+  /// The rule for ranks with unequal numbers of batches: every rank calls step() the same number of times. A rank that
+  /// simply stops while the others still step makes them fail (LocalGroup: at once; Mpi: at once through its
+  /// departure notice, or when the timeout expires); it never hangs. To stop together, call this collective before
+  /// each micro-step on every rank, saying whether this rank has another batch:
+  ///
+  ///   using tandem::Batch;
+  ///   while (dp.all_ranks_have_batch(it != end ? Batch::available : Batch::exhausted)) { ...; dp.step(); }
+  ///
+  /// It returns true while every rank has one and false on every rank as soon as any rank has none, so the ranks with
+  /// more batches drop their extra ones. Stopping inside an accumulation window leaves that window's gradients unused.
+  /// It also checks the rule: if the ranks have taken different numbers of micro-steps so far, every rank throws
+  /// tandem::error naming them. Costs one all-gather of two words per rank.
+  bool all_ranks_have_batch(Batch mine) {
+    const std::uint64_t taken = (step_ + skipped_) * static_cast<std::uint64_t>(options_.accumulation_steps) +
+                                static_cast<std::uint64_t>(micro_);
+    const std::uint64_t words[2] = {mine == Batch::exhausted ? 1u : 0u, taken};
+    std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(world_));
+    comm_.all_gather(words, all.data(), 2, DType::fp64, options_.stream);
+    bool available = true;
+    for (int r = 0; r < world_; ++r) {
+      const std::uint64_t* w = &all[2 * static_cast<std::size_t>(r)];
+      if (w[1] != all[1])
+        detail::fail("tandem: all_ranks_have_batch: rank 0 has taken " + std::to_string(all[1]) +
+                     " micro-steps but rank " + std::to_string(r) + " has taken " + std::to_string(w[1]) +
+                     "; every rank must call step() as many times as the others (call all_ranks_have_batch before "
+                     "every micro-step on every rank)");
+      if (w[0] != 0) available = false;
+    }
+    return available;
   }
 
   /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) to `path`,
