@@ -3,13 +3,16 @@
 // operation on its own (LayerNorm, GELU, causal softmax, cross-entropy), then every parameter of a whole
 // small model (which covers the embeddings, attention, MLP, residuals and head through their composition).
 // The float model, which trains, is checked against the double one; its fast exp against the C library's.
+// Then the example's data: the sorting task, text windows and the distributed sampler.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <set>
 #include <vector>
 
+#include "../examples/tiny_transformer/data.hpp"
 #include "../examples/tiny_transformer/model.hpp"
 
 namespace {
@@ -222,4 +225,79 @@ TEST_CASE("bad input is rejected with a message") {
   CHECK_THROWS_AS(model.backward(), std::logic_error);
   CHECK_THROWS_WITH_AS(tiny::Transformer<float>({.width = 10, .heads = 4}, 1), doctest::Contains("multiple of heads"),
                        std::invalid_argument);
+}
+
+// --- Data
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST_CASE("sort task: inputs, separator and targets line up; the held-out lists are new") {
+  const tiny::SortTask task{.length = 5, .values = 20};
+  std::set<std::vector<int>> seen;
+  const tiny::Examples train = task.make(500, 1, nullptr, &seen);
+  const tiny::Examples eval = task.make(200, 2, &seen);
+  REQUIRE(train.size() == 500);
+  REQUIRE(train.len == 10);
+  for (std::size_t e = 0; e < train.size(); ++e) {
+    const int* x = train.tokens_of(e);
+    const int* t = train.targets_of(e);
+    std::vector<int> sorted(x, x + 5);
+    std::sort(sorted.begin(), sorted.end());
+    CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());  // distinct
+    CHECK(x[5] == 20);                                                        // the separator
+    for (int i = 0; i < 5; ++i) {
+      CHECK(t[i] == -1);
+      CHECK(t[5 + i] == sorted[i]);             // the separator and y_1..y_4 predict y_1..y_5
+      if (i < 4) CHECK(x[6 + i] == sorted[i]);  // the model reads y_1..y_4
+    }
+  }
+  for (std::size_t e = 0; e < eval.size(); ++e) {
+    std::vector<int> y(eval.targets_of(e) + 5, eval.targets_of(e) + 10);
+    CHECK(seen.count(y) == 0);
+  }
+  CHECK_THROWS_AS(tiny::SortTask({.length = 9, .values = 8}).make(1, 1), std::invalid_argument);
+}
+
+TEST_CASE("text: non-overlapping windows, each target the next byte") {
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += char('a' + i % 26);
+  const auto [train, eval] = tiny::make_text_examples(text, 16);
+  CHECK(train.size() == (900 - 1) / 16);
+  CHECK(eval.size() == (100 - 1) / 16);
+  for (std::size_t e = 0; e < train.size(); ++e)
+    for (int i = 0; i < 16; ++i) {
+      CHECK(train.tokens_of(e)[i] == text[e * 16 + i]);
+      CHECK(train.targets_of(e)[i] == text[e * 16 + i + 1]);
+    }
+  CHECK_THROWS_WITH_AS(tiny::make_text_examples("short", 16), doctest::Contains("too few"), std::invalid_argument);
+}
+
+TEST_CASE("distributed sampler: the same global batches whatever the rank count, reshuffled every epoch") {
+  const std::size_t examples = 103;
+  const int batch = 12;
+  auto global_batch = [&](std::uint64_t step, int accumulation, int world) {
+    std::vector<std::size_t> all;
+    for (int micro = 0; micro < accumulation; ++micro)
+      for (int rank = 0; rank < world; ++rank) {
+        tiny::DistributedSampler sampler(examples, batch, 7);  // a rank's own sampler
+        const auto mine = sampler.indices(step, micro, accumulation, rank, world);
+        CHECK(mine.size() == std::size_t(batch / accumulation / world));
+        all.insert(all.end(), mine.begin(), mine.end());
+      }
+    return all;
+  };
+  tiny::DistributedSampler sampler(examples, batch, 7);
+  CHECK(sampler.batches_per_epoch() == 8);
+  std::set<std::size_t> epoch0, epoch1;
+  for (std::uint64_t step = 0; step < 16; ++step) {
+    const auto one = global_batch(step, 1, 1);
+    CHECK(global_batch(step, 1, 2) == one);
+    CHECK(global_batch(step, 1, 4) == one);
+    CHECK(global_batch(step, 2, 3) == one);
+    (step < 8 ? epoch0 : epoch1).insert(one.begin(), one.end());
+  }
+  CHECK(epoch0.size() == 96);  // no example twice within an epoch
+  CHECK(epoch1.size() == 96);
+  CHECK(global_batch(0, 1, 1) != global_batch(8, 1, 1));  // a new order each epoch
+  CHECK_THROWS_AS(sampler.indices(0, 0, 1, 0, 5), std::invalid_argument);
+  CHECK_THROWS_AS(tiny::DistributedSampler(5, 12, 1), std::invalid_argument);
 }

@@ -179,6 +179,7 @@ class Transformer {
     gemm(Trans::no, Trans::no, n, v, c, T(1), act_.lnf.data(), c, param(head_), v, T(0), logits, v);
 
     ForwardStats stats;
+    row_correct_.assign(std::size_t(n), 1);
     for (int r = 0; r < n; ++r) stats.rows += targets[r] >= 0;
     const T grad_scale = pass == Pass::train && stats.rows > 0 ? T(1) / T(stats.rows) : T(0);
     for (int r = 0; r < n; ++r) {
@@ -193,10 +194,14 @@ class Transformer {
       const CrossEntropyRow ce = cross_entropy_row(row, targets[r], v, grad_scale);
       stats.loss_sum += ce.loss;
       stats.correct += ce.correct;
+      row_correct_[std::size_t(r)] = ce.correct;
     }
     trained_ = pass == Pass::train;
     return stats;
   }
+
+  /// Per row of the last forward: 1 if the row has no target or its argmax is the target, else 0.
+  const std::vector<std::uint8_t>& row_correct() const { return row_correct_; }
 
   /// Writes the gradient of the last Pass::train forward's mean loss into gradients() (overwriting them).
   void backward() {
@@ -436,6 +441,7 @@ class Transformer {
   std::vector<T> params_, grads_;
   Activations act_;
   std::vector<int> tokens_;
+  std::vector<std::uint8_t> row_correct_;
   int batch_ = 0, len_ = 0;
   bool trained_ = false;
 };

@@ -1,0 +1,201 @@
+#!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
+"""The tiny transformer on tandem's host ranks against the same model under PyTorch DDP (gloo), side by side.
+
+Both train the same decoder-only transformer (vocab 256, context 128, width 128, 4 layers, 4 heads, MLP 4x,
+untied head, GELU tanh, pre-LayerNorm, AdamW, clipping at 1.0) as a byte-level language model on the same
+text, with the same global batch (16 windows of 128 bytes), one rank per core and one BLAS thread per rank.
+The figure is training throughput: tokens/s over --steps optimizer steps, after --warmup steps that neither side
+times; and, from the same run, tandem's and PyTorch's 1 -> 2 rank scaling.
+
+Usage: benchmarks/transformer_vs_pytorch.py --binary build/release/examples/tiny_transformer [--steps 40]
+Needs Debian's python3-torch (a CPU PyTorch) with OpenBLAS installed (libopenblas0), as the tandem example does.
+"""
+import argparse
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def make_text(path, size=1 << 20):
+    """Deterministic English-like text: the throughput does not depend on it, but both sides read the same bytes."""
+    words = ("the of and to in is that for it as with was on be by this are at from or an which have not but one "
+             "all were when we there can more if out so some what about into than them only other new time could "
+             "these two may first then do any like my now over such our man me even most made after also did many "
+             "before must through back years where much your way well down should because each just those people "
+             "how too little state good very make world still own see men work long get here between both life "
+             "being under never day same another know while last might us great old year off come since against "
+             "go came right used take three").split()
+    seed, out, n = 12345, [], 0
+    while n < size:
+        seed = (seed * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        w = words[(seed >> 33) % len(words)]
+        out.append(w)
+        n += len(w) + 1
+        if (seed >> 20) % 13 == 0:
+            out[-1] += "."
+    with open(path, "w") as f:
+        f.write(" ".join(out)[:size])
+
+
+# --- PyTorch side --------------------------------------------------------------------------------------------------
+
+def pytorch_rank(rank, world, port, args, text_path, queue):
+    os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    C, H, L, V, T = args.width, args.heads, args.layers, 256, args.context
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+            self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+
+        def forward(self, x):
+            B, Tl, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, Tl, H, C // H).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / (C // H) ** 0.5)
+            att = att.masked_fill(~self.mask[:Tl, :Tl], float("-inf")).softmax(dim=-1)
+            y = (att @ v).transpose(1, 2).contiguous().view(B, Tl, C)
+            x = x + self.c_proj(y)
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+            self.h = nn.ModuleList(Block() for _ in range(L))
+            self.ln_f, self.lm_head = nn.LayerNorm(C), nn.Linear(C, V, bias=False)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = GPT()
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    data = torch.tensor(list(open(text_path, "rb").read()), dtype=torch.long)
+    local = args.batch // world
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def step(i):
+        starts = torch.randint(0, len(data) - T - 1, (args.batch,), generator=gen)[rank * local:(rank + 1) * local]
+        x = torch.stack([data[s:s + T] for s in starts])
+        y = torch.stack([data[s + 1:s + T + 1] for s in starts])
+        loss = ddp(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    for i in range(args.warmup):
+        step(i)
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    if world > 1:
+        dist.barrier()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        queue.put({"seconds": seconds, "loss": loss, "tokens_per_second": args.steps * args.batch * T / seconds})
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_pytorch(world, args, text_path):
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=pytorch_rank, args=(r, world, port, args, text_path, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=3600)
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            sys.exit(f"PyTorch rank exited with {p.exitcode}")
+    return result
+
+
+# --- tandem side ---------------------------------------------------------------------------------------------------
+
+def run_tandem(ranks, args, text_path, workdir):
+    out = os.path.join(workdir, f"tandem_{ranks}.csv")
+    cmd = [args.binary, "--text", text_path, "--context", str(args.context), "--width", str(args.width), "--layers",
+           str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch), "--steps",
+           str(args.steps + args.warmup), "--untimed-steps", str(args.warmup), "--ranks", str(ranks), "--policy",
+           "replicated", "--lr", "3e-4", "--seed", str(args.seed), "--csv", out]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        row = next(csv.DictReader(f))
+    return {"seconds": float(row["seconds"]), "loss": float(row["final_loss"]),
+            "tokens_per_second": float(row["tokens_per_second"])}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--binary", required=True, help="the tiny_transformer example (a Release build)")
+    ap.add_argument("--steps", type=int, default=40, help="timed optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as workdir:
+        text = os.path.join(workdir, "text.txt")
+        make_text(text)
+        results = {
+            "tandem_1": run_tandem(1, args, text, workdir),
+            "tandem_2": run_tandem(2, args, text, workdir),
+            "pytorch_1": run_pytorch(1, args, text),
+            "pytorch_2": run_pytorch(2, args, text),
+        }
+    results["speedup_vs_pytorch_ddp"] = results["tandem_2"]["tokens_per_second"] / results["pytorch_2"]["tokens_per_second"]
+    results["tandem_scaling"] = results["tandem_2"]["tokens_per_second"] / results["tandem_1"]["tokens_per_second"]
+    results["pytorch_scaling"] = results["pytorch_2"]["tokens_per_second"] / results["pytorch_1"]["tokens_per_second"]
+    results["config"] = vars(args) | {"vocab": 256, "mlp_ratio": 4}
+
+    print(f"{'run':<28} {'tokens/s':>10} {'seconds':>9}")
+    for key, name in [("tandem_1", "tandem, 1 rank"), ("tandem_2", "tandem, 2 ranks (Replicated)"),
+                      ("pytorch_1", "PyTorch, 1 process"), ("pytorch_2", "PyTorch DDP gloo, 2 processes")]:
+        print(f"{name:<28} {results[key]['tokens_per_second']:>10.0f} {results[key]['seconds']:>9.2f}")
+    print(f"\ntandem 2 ranks / PyTorch DDP 2 ranks: {results['speedup_vs_pytorch_ddp']:.2f}x (goal >= 1.5x)")
+    print(f"tandem scaling 1 -> 2 ranks: {results['tandem_scaling']:.2f}x (goal >= 1.85x); "
+          f"PyTorch: {results['pytorch_scaling']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

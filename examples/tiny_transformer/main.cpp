@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: Apache-2.0
+// tiny_transformer: trains a small decoder-only transformer with tandem on N ranks, on a task made here
+// (sorting lists of numbers) or on the bytes of any text file, and with --compare tells the story of data
+// parallelism: 1 rank against N ranks under each policy — time down, accuracy unchanged.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "train.hpp"
+
+namespace {
+
+/// A progress bar on a terminal (redrawn in place, at most 10 times a second); plain log lines otherwise.
+class ProgressReporter {
+ public:
+  explicit ProgressReporter(std::string label) : label_(std::move(label)), tty_(isatty(STDOUT_FILENO) != 0) {}
+
+  void operator()(int step, int steps, double loss, double seconds) {
+    const double tokens_per_second = seconds > 0 ? tokens_per_step_ * step / seconds : 0;
+    const double eta = step > 0 ? seconds * (steps - step) / step : 0;
+    if (tty_) {
+      if (step < steps && seconds - last_draw_ < 0.1) return;
+      last_draw_ = seconds;
+      const int width = 24, filled = width * step / steps;
+      std::printf("\r  %-22s [%s%s] %5d/%d  loss %.4f  %7.0f tok/s  ETA %3.0f s ", label_.c_str(),
+                  std::string(std::size_t(filled), '#').c_str(), std::string(std::size_t(width - filled), '.').c_str(),
+                  step, steps, loss, tokens_per_second, eta);
+      if (step == steps) std::printf("\r%*s\r", 110, "");
+      std::fflush(stdout);
+    } else if (step == steps || step % std::max(1, steps / 5) == 0) {
+      std::printf("  %s: step %d/%d  loss %.4f  %.0f tok/s\n", label_.c_str(), step, steps, loss, tokens_per_second);
+      std::fflush(stdout);
+    }
+  }
+
+  double tokens_per_step_ = 0;
+
+ private:
+  std::string label_;
+  bool tty_;
+  double last_draw_ = -1;
+};
+
+struct Row {
+  std::string policy;
+  int ranks = 1;
+  tiny::TrainResult result;
+};
+
+void print_header() {
+  std::printf("%-17s %5s %8s %9s %8s %11s %10s %9s %11s\n", "policy", "ranks", "time s", "tokens/s", "speed-up",
+              "final loss", "eval loss", "accuracy", "KiB/rank");
+}
+
+void print_row(const Row& row, double baseline_seconds) {
+  const tiny::TrainResult& r = row.result;
+  std::printf("%-17s %5d %8.2f %9.0f %7.2fx %11.5f %10.5f %8.2f%% %11.1f\n", row.policy.c_str(), row.ranks, r.seconds,
+              r.tokens_per_second(), baseline_seconds / r.seconds, r.final_loss, r.eval_loss, 100.0 * r.eval_accuracy,
+              double(r.memory_per_rank) / 1024.0);
+  std::fflush(stdout);
+}
+
+void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny::TrainConfig& cfg) {
+  std::ofstream out(path);
+  if (!out) throw std::invalid_argument("cannot write --csv file '" + path + "'");
+  out << "policy,ranks,steps,global_batch,accumulation,precision,seconds,tokens_per_second,final_loss,eval_loss,"
+         "eval_accuracy,tandem_bytes_per_rank\n";
+  for (const Row& row : rows)
+    out << row.policy << ',' << row.ranks << ',' << cfg.steps << ',' << cfg.batch << ',' << cfg.accumulation << ','
+        << (cfg.precision == tiny::Precision::bf16 ? "bf16" : "fp32") << ',' << row.result.seconds << ','
+        << row.result.tokens_per_second() << ',' << row.result.final_loss << ',' << row.result.eval_loss << ','
+        << row.result.eval_accuracy << ',' << row.result.memory_per_rank << '\n';
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tiny::TrainConfig cfg;
+  cfg.model = {.vocab = 0, .context = 0, .width = 64, .layers = 2, .heads = 4, .mlp_ratio = 4};
+  cfg.steps = 600;
+  cfg.batch = 32;
+  cfg.lr = 3e-3f;
+  tiny::SortTask sort;
+  std::string text_path, csv_path, backend = "host";
+  int ranks = 2, epochs = 0, context = 128, eval_examples = 2048;
+  bool compare = false, bf16 = false;
+  tiny::PolicyKind policy = tiny::PolicyKind::replicated;
+  const std::map<std::string, tiny::PolicyKind> policies{{"replicated", tiny::PolicyKind::replicated},
+                                                         {"optimizer-sharded", tiny::PolicyKind::optimizer_sharded},
+                                                         {"gradient-sharded", tiny::PolicyKind::gradient_sharded}};
+
+  CLI::App app{
+      "Train a tiny transformer with tandem on N host ranks. The default task sorts lists of numbers; --text FILE "
+      "trains a byte-level language model instead. --compare trains 1 rank, then N ranks under each policy."};
+  app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded")
+      ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
+  app.add_option("--ranks", ranks, "ranks (threads), N")->check(CLI::Range(1, 256));
+  app.add_option("--backend", backend, "host (CPU ranks) or cuda")->check(CLI::IsMember({"host", "cuda"}));
+  auto* steps_opt = app.add_option("--steps", cfg.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", epochs, "train for this many passes over the training set instead of --steps")
+      ->check(CLI::PositiveNumber)
+      ->excludes(steps_opt);
+  app.add_option("--batch", cfg.batch, "global batch: examples per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--accum", cfg.accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--lr", cfg.lr, "peak AdamW learning rate (warm-up, then cosine decay)")->check(CLI::PositiveNumber);
+  app.add_option("--width", cfg.model.width, "model width")->check(CLI::PositiveNumber);
+  app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--heads", cfg.model.heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(CLI::PositiveNumber);
+  app.add_option("--context", context, "--text: bytes per training window")->check(CLI::PositiveNumber);
+  app.add_option("--sort-length", sort.length, "sort task: numbers per list")->check(CLI::Range(2, 512));
+  app.add_option("--sort-values", sort.values, "sort task: numbers are 0 .. values-1")->check(CLI::Range(2, 65535));
+  app.add_option("--eval", eval_examples, "held-out examples (sort task)")->check(CLI::PositiveNumber);
+  app.add_option("--text", text_path, "train a byte-level language model on this file")->check(CLI::ExistingFile);
+  app.add_option("--untimed-steps", cfg.untimed_steps, "leave the first steps out of the time and tokens/s")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights");
+  app.add_flag("--bf16", bf16, "bf16 parameters and gradients (fp32 master weights in tandem)");
+  app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table");
+  app.add_option("--csv", csv_path, "also write the results to this CSV file");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (backend == "cuda")
+      throw std::invalid_argument(
+          "--backend cuda: this example's CUDA path is not built yet (it needs tandem's CUDA backend); use --backend "
+          "host");
+    cfg.precision = bf16 ? tiny::Precision::bf16 : tiny::Precision::fp32;
+    tiny::Task task;
+    if (!text_path.empty()) {
+      auto [train, eval] = tiny::make_text_examples(tiny::read_file(text_path), context);
+      task = {"byte-level language model on " + text_path, std::move(train), std::move(eval), 256, false};
+    } else {
+      sort.validate();
+      std::set<std::vector<int>> seen;
+      const std::size_t train_examples = std::max<std::size_t>(std::size_t(cfg.batch) * cfg.steps, 50000);
+      tiny::Examples train = sort.make(std::min<std::size_t>(train_examples, 200000), cfg.seed, nullptr, &seen);
+      tiny::Examples eval = sort.make(std::size_t(eval_examples), cfg.seed + 1000003, &seen);
+      task = {"sort " + std::to_string(sort.length) + " distinct numbers below " + std::to_string(sort.values),
+              std::move(train), std::move(eval), sort.vocab(), true};
+    }
+    cfg.model.vocab = task.vocab;
+    cfg.model.context = task.train.len;
+    if (epochs > 0) {
+      const std::size_t per_epoch = task.train.size() / std::size_t(cfg.batch);
+      if (per_epoch == 0) throw std::invalid_argument("--batch is larger than the training set");
+      cfg.steps = int(per_epoch * std::size_t(epochs));
+    }
+    tiny::use_one_blas_thread();
+
+    const tiny::Transformer<float> probe(cfg.model, 0);
+    std::printf("task: %s (%zu training, %zu held-out examples of %d tokens)\n", task.name.c_str(), task.train.size(),
+                task.eval.size(), task.train.len);
+    std::printf("model: %d layers, width %d, %d heads, MLP %dx, vocab %d: %zu parameters (%s)\n", cfg.model.layers,
+                cfg.model.width, cfg.model.heads, cfg.model.mlp_ratio, cfg.model.vocab, probe.num_parameters(),
+                bf16 ? "bf16, fp32 master" : "fp32");
+    std::printf(
+        "training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, one BLAS thread per rank\n\n",
+        cfg.steps, cfg.batch, cfg.accumulation, double(cfg.lr));
+
+    std::vector<Row> rows;
+    auto run = [&](tiny::PolicyKind p, int n) {
+      ProgressReporter progress(std::string(n == 1 ? "1 rank" : tiny::policy_name(p)) +
+                                (n == 1 ? "" : " x" + std::to_string(n)));
+      progress.tokens_per_step_ = double(cfg.batch) * task.train.len;
+      tiny::TrainResult r = tiny::with_policy(
+          p, [&]<class Policy>() { return tiny::train_local<Policy>(n, cfg, task, std::ref(progress)); });
+      rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n, std::move(r)});
+    };
+    if (compare) {
+      run(tiny::PolicyKind::replicated, 1);
+      for (tiny::PolicyKind p :
+           {tiny::PolicyKind::replicated, tiny::PolicyKind::optimizer_sharded, tiny::PolicyKind::gradient_sharded})
+        run(p, ranks);
+    } else {
+      run(policy, ranks);
+    }
+    print_header();
+    for (const Row& row : rows) print_row(row, rows.front().result.seconds);
+    if (compare) {
+      double worst_accuracy = 0, worst_loss = 0;
+      for (const Row& row : rows) {
+        worst_accuracy = std::max(worst_accuracy, std::abs(row.result.eval_accuracy - rows[0].result.eval_accuracy));
+        worst_loss = std::max(worst_loss, std::abs(row.result.final_loss - rows[0].result.final_loss) /
+                                              std::abs(rows[0].result.final_loss));
+      }
+      std::printf("\n%d ranks vs 1: accuracy within %.2f percentage points, final loss within %.1e relative\n", ranks,
+                  100.0 * worst_accuracy, worst_loss);
+    }
+    if (!csv_path.empty()) write_csv(csv_path, rows, cfg);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tiny_transformer: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
