@@ -241,8 +241,9 @@ inline std::string check_cross_rank(const LocalCall* calls, int size) {
   return {};
 }
 
-/// The verdict every rank reaches from the published calls: "" to go ahead, or the message this rank throws.
-inline std::string check_calls(const LocalCall* calls, int size, int rank) {
+/// The verdict on the published calls, pointers aside (every rank's own arguments were fine and the calls agree): ""
+/// to go ahead, or the message this rank throws. Also used by communicators whose ranks are processes.
+inline std::string check_agreement(const LocalCall* calls, int size, int rank) {
   if (!calls[rank].rejected.empty()) return calls[rank].rejected;
   for (int q = 0; q < size; ++q) {
     if (calls[q].rejected.empty()) continue;
@@ -256,7 +257,13 @@ inline std::string check_calls(const LocalCall* calls, int size, int rank) {
              "; every rank must call the same collectives in the same order with the same count, dtype, op and root";
     }
   }
-  if (calls[0].count == 0) return {};
+  return {};
+}
+
+/// The verdict every rank reaches from the published calls: "" to go ahead, or the message this rank throws.
+inline std::string check_calls(const LocalCall* calls, int size, int rank) {
+  std::string verdict = check_agreement(calls, size, rank);
+  if (!verdict.empty() || calls[0].count == 0) return verdict;
   return check_cross_rank(calls, size);
 }
 

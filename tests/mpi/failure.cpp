@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// A training job in which one rank fails, for tests/mpi/run_failure.cmake: `mpi_failure <mode>` under mpirun.
+//   kill   the last rank raise(SIGKILL)s itself at step 5 (no word to anyone)
+//   throw  the last rank throws at step 5; its tandem::Mpi is destroyed by the exception
+//   abort  the last rank throws at step 5 and passes the exception's text on with Mpi::abort
+// Every rank that catches an exception prints "[mpi_failure] rank R caught <type>: <what>" and exits with status 3
+// without MPI_Finalize (MPI cannot finalize with a dead peer); a rank that finishes training prints
+// "[mpi_failure] rank R finished", which the driver treats as a failure of the test.
+#include <mpi.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "support/train.hpp"
+#include "tandem/comm/mpi.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+int report(int rank, const char* type, const char* what) {
+  std::fprintf(stderr, "[mpi_failure] rank %d caught %s: %s\n", rank, type, what);
+  std::fflush(stderr);
+  return 3;
+}
+
+int train(const std::string& mode, int rank, int size) {
+  test::TrainSetup setup;
+  setup.steps = 400;  // far more than the failure needs: finishing means nobody noticed
+  const mlp::Dataset data = test::make_dataset(setup);
+  const int victim = size - 1;
+  const auto hook = [&](int step, int) {
+    if (rank != victim || step != 5) return;
+    if (mode == "kill") std::raise(SIGKILL);
+    throw std::runtime_error("injected failure on rank " + std::to_string(rank) + " at step 5");
+  };
+  const tandem::AdamWOptions adamw{.lr = 1e-3f};
+  if (mode == "abort") {
+    tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)});
+    try {
+      test::train_rank<tandem::GradientSharded, tandem::AdamW, float>(comm, setup, data, adamw, hook);
+    } catch (const std::exception& e) {
+      comm.abort(e.what());  // no-op on a rank whose communicator already failed
+      throw;
+    }
+  } else {
+    tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)});
+    test::train_rank<tandem::GradientSharded, tandem::AdamW, float>(comm, setup, data, adamw, hook);
+  }
+  std::fprintf(stderr, "[mpi_failure] rank %d finished\n", rank);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode != "kill" && mode != "throw" && mode != "abort") {
+    std::fprintf(stderr, "usage: mpi_failure kill|throw|abort\n");
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  try {
+    const int status = train(mode, rank, size);
+    MPI_Finalize();
+    return status;
+  } catch (const tandem::peer_error& e) {
+    return report(rank, "tandem::peer_error", e.what());
+  } catch (const tandem::timeout_error& e) {
+    return report(rank, "tandem::timeout_error", e.what());
+  } catch (const tandem::error& e) {
+    return report(rank, "tandem::error", e.what());
+  } catch (const std::exception& e) {
+    return report(rank, "std::exception", e.what());
+  }
+}

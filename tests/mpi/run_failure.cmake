@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+#
+# Runs tests/mpi/failure.cpp under mpiexec and checks how the job fails (ctest mpi_failure_<mode>):
+#   cmake -DMPIEXEC=<mpiexec> -DNUMPROC_FLAG=<-n> -DFLAGS=<flag;...> -DNP=<ranks> -DEXE=<mpi_failure> -DMODE=<mode>
+#         -DBOUND=<seconds> -P run_failure.cmake
+# The last rank fails at step 5 of a 400-step run (MODE kill: SIGKILL; throw: an exception destroys its Mpi; abort:
+# an exception whose text Mpi::abort passes on). Passes when every other rank reports a tandem error that names the
+# failed rank (and, for abort, carries its text), no rank finishes training, and the job ends within BOUND seconds
+# (the ranks' own timeout is 60 s: the failure must be noticed long before it).
+cmake_minimum_required(VERSION 3.25)
+
+foreach(var IN ITEMS MPIEXEC NUMPROC_FLAG NP EXE MODE BOUND)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run_failure.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+
+math(EXPR victim "${NP} - 1")
+if(MODE STREQUAL "kill")
+  set(expected "rank ${victim} \\(process [0-9]+ on this host\\) is gone")
+elseif(MODE STREQUAL "throw")
+  set(expected "rank ${victim} failed: its tandem::Mpi was destroyed by an exception")
+elseif(MODE STREQUAL "abort")
+  set(expected "rank ${victim} failed: injected failure on rank ${victim} at step 5")
+else()
+  message(FATAL_ERROR "run_failure.cmake: MODE must be kill, throw or abort (got '${MODE}')")
+endif()
+
+string(TIMESTAMP start "%s")
+execute_process(COMMAND "${MPIEXEC}" ${NUMPROC_FLAG} ${NP} ${FLAGS} "${EXE}" ${MODE} TIMEOUT ${BOUND}
+                RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE out)
+string(TIMESTAMP end "%s")
+math(EXPR seconds "${end} - ${start}")
+
+set(problems "")
+if(result MATCHES "timeout|Timeout")
+  string(APPEND problems "  the job did not end within ${BOUND} s (a hang)\n")
+endif()
+if(out MATCHES "\\[mpi_failure\\] rank [0-9]+ finished")
+  string(APPEND problems "  a rank finished training: nobody noticed the failure\n")
+endif()
+math(EXPR last_survivor "${NP} - 2")
+foreach(rank RANGE 0 ${last_survivor})
+  if(NOT out MATCHES "\\[mpi_failure\\] rank ${rank} caught tandem::[a-z_]+: tandem: [^\n]*${expected}")
+    string(APPEND problems "  rank ${rank} did not report a tandem error matching '${expected}'\n")
+  endif()
+endforeach()
+
+if(problems)
+  message(FATAL_ERROR "mpi_failure ${MODE} (${NP} ranks, ${seconds} s, exit ${result}):\n${problems}output:\n${out}")
+endif()
+message(STATUS "mpi_failure ${MODE}: every other rank named rank ${victim} (${seconds} s)\n${out}")
