@@ -5,6 +5,8 @@
 #include "tandem/backend/host.hpp"
 #include "tandem/backend/launch.hpp"
 #include "tandem/comm/communicator.hpp"
+#include "tandem/comm/file_rendezvous.hpp"
+#include "tandem/comm/launch_env.hpp"
 #include "tandem/comm/local_group.hpp"
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/config.hpp"

@@ -1,0 +1,224 @@
+// SPDX-License-Identifier: Apache-2.0
+// A rendezvous through a shared file: rank 0 publishes a small opaque blob (NCCL's 128-byte ncclUniqueId, say) and
+// every other rank reads it, with no other channel between them. The path must be on a file system every rank sees
+// (the same node's /tmp for one node; a shared scratch directory across nodes).
+//
+// Rank 0 writes the file completely under a temporary name beside the target, fsyncs it and renames it over the
+// target, so a reader sees either no file or the whole file, never a partial one. The file holds a magic, a format
+// version, the `key`, the blob's size, the blob and a checksum of all that:
+//
+//   "TANDEMRV" | u32 version = 1 | u32 key bytes | u64 blob bytes | key | blob | u64 FNV-1a of everything before
+//
+// Readers poll until a file with their key appears or the timeout expires. The key tells this job's file from one a
+// previous job left at the same path: pass something every rank of this job knows and no other job shares (the
+// scheduler's job id, MASTER_ADDR:MASTER_PORT, a value the launch script draws). A file with another key is skipped
+// as stale, and the timeout error says so. Rank 0 does not remove the file (it cannot know when the last reader is
+// done); remove it after a later barrier, or let the next job overwrite it.
+//
+// (A TCP rendezvous at MASTER_ADDR:MASTER_PORT is not provided: the file, MPI, and the launcher's own channels cover
+// the launchers tandem supports; see docs/launching.md.)
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "tandem/core/error.hpp"
+
+namespace tandem {
+
+struct FileRendezvousOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< how long a reader waits for rank 0's file
+  std::chrono::milliseconds poll_interval{20};                 ///< how often it looks
+};
+
+namespace detail {
+
+inline constexpr char kRendezvousMagic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'R', 'V'};
+inline constexpr std::uint32_t kRendezvousVersion = 1;
+
+inline std::uint64_t rendezvous_checksum(const unsigned char* p, std::size_t n) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+template <class T>
+void append_bytes(std::vector<unsigned char>& out, const T& v) {
+  const auto* p = reinterpret_cast<const unsigned char*>(&v);
+  out.insert(out.end(), p, p + sizeof(T));
+}
+
+/// The file's bytes for (key, blob).
+inline std::vector<unsigned char> rendezvous_file(std::string_view key, std::span<const std::byte> blob) {
+  std::vector<unsigned char> out(kRendezvousMagic, kRendezvousMagic + sizeof(kRendezvousMagic));
+  append_bytes(out, kRendezvousVersion);
+  append_bytes(out, static_cast<std::uint32_t>(key.size()));
+  append_bytes(out, static_cast<std::uint64_t>(blob.size()));
+  out.insert(out.end(), key.begin(), key.end());
+  const auto* b = reinterpret_cast<const unsigned char*>(blob.data());
+  out.insert(out.end(), b, b + blob.size());
+  append_bytes(out, rendezvous_checksum(out.data(), out.size()));
+  return out;
+}
+
+/// What a reader found at the path.
+struct RendezvousRead {
+  enum class State { absent, unreadable, other_key, ready } state = State::absent;
+  std::string key;                   ///< other_key: the key found
+  std::vector<unsigned char> bytes;  ///< ready: the blob
+  std::string why;                   ///< unreadable: what was wrong
+};
+
+inline RendezvousRead read_rendezvous(const std::string& path, std::string_view key) {
+  RendezvousRead r;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno != ENOENT) {
+      r.state = RendezvousRead::State::unreadable;
+      r.why = std::string("cannot open it: ") + std::strerror(errno);
+    }
+    return r;
+  }
+  std::vector<unsigned char> data;
+  unsigned char buffer[4096];
+  while (data.size() < (std::size_t{1} << 24)) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    data.insert(data.end(), buffer, buffer + n);
+  }
+  ::close(fd);
+  r.state = RendezvousRead::State::unreadable;
+  constexpr std::size_t head = sizeof(kRendezvousMagic) + 4 + 4 + 8;
+  if (data.size() < head + 8 || std::memcmp(data.data(), kRendezvousMagic, sizeof(kRendezvousMagic)) != 0) {
+    r.why = "it is not a tandem rendezvous file";
+    return r;
+  }
+  std::uint32_t version = 0, key_bytes = 0;
+  std::uint64_t blob_bytes = 0;
+  std::memcpy(&version, data.data() + 8, 4);
+  std::memcpy(&key_bytes, data.data() + 12, 4);
+  std::memcpy(&blob_bytes, data.data() + 16, 8);
+  if (version != kRendezvousVersion) {
+    r.why = "its format version is " + std::to_string(version) + ", not " + std::to_string(kRendezvousVersion);
+    return r;
+  }
+  if (key_bytes > data.size() || blob_bytes > data.size() || data.size() != head + key_bytes + blob_bytes + 8) {
+    r.why = "its length does not match its header (truncated?)";
+    return r;
+  }
+  std::uint64_t sum = 0;
+  std::memcpy(&sum, data.data() + data.size() - 8, 8);
+  if (sum != rendezvous_checksum(data.data(), data.size() - 8)) {
+    r.why = "its checksum does not match (corrupted?)";
+    return r;
+  }
+  r.key.assign(reinterpret_cast<const char*>(data.data() + head), key_bytes);
+  if (r.key != key) {
+    r.state = RendezvousRead::State::other_key;
+    return r;
+  }
+  r.state = RendezvousRead::State::ready;
+  r.bytes.assign(data.begin() + static_cast<std::ptrdiff_t>(head + key_bytes), data.end() - 8);
+  return r;
+}
+
+}  // namespace detail
+
+/// Rank 0's half: writes (key, blob) to `path` atomically (temporary file, fsync, rename). Throws tandem::error
+/// naming the path and the system's reason when it cannot.
+inline void publish_blob(const std::string& path, std::string_view key, std::span<const std::byte> blob) {
+  const std::vector<unsigned char> file = detail::rendezvous_file(key, blob);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(std::random_device{}());
+  const auto fail_with = [&](const char* what) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    detail::fail("tandem: publish_blob: cannot " + std::string(what) + " `" + tmp + "` for `" + path + "`: " + reason +
+                 "; pass a path in a writable directory that every rank sees");
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) fail_with("create");
+  std::size_t done = 0;
+  while (done < file.size()) {
+    const ssize_t n = ::write(fd, file.data() + done, file.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      fail_with("write");
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail_with("fsync");
+  }
+  if (::close(fd) != 0) fail_with("close");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_with("rename");
+}
+
+/// The other ranks' half: waits until `path` holds a complete file with `key` and returns its blob. Throws
+/// tandem::timeout_error after options.timeout (saying whether it found nothing, a stale file with another key, or an
+/// unreadable file), and tandem::error when the blob's size is not `expected_bytes` (pass 0 to accept any size).
+inline std::vector<std::byte> wait_for_blob(const std::string& path, std::string_view key, std::size_t expected_bytes,
+                                            FileRendezvousOptions options = {}) {
+  if (options.timeout.count() <= 0 || options.poll_interval.count() <= 0)
+    detail::fail("tandem: wait_for_blob: `options.timeout` and `options.poll_interval` must be positive");
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  detail::RendezvousRead last;
+  while (true) {
+    last = detail::read_rendezvous(path, key);
+    if (last.state == detail::RendezvousRead::State::ready) {
+      if (expected_bytes != 0 && last.bytes.size() != expected_bytes)
+        detail::fail("tandem: wait_for_blob: `" + path + "` holds a " + std::to_string(last.bytes.size()) +
+                     "-byte blob but this rank expects " + std::to_string(expected_bytes) +
+                     " bytes; every rank must exchange the same kind of blob");
+      std::vector<std::byte> blob(last.bytes.size());
+      if (!blob.empty()) std::memcpy(blob.data(), last.bytes.data(), blob.size());
+      return blob;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(options.poll_interval);
+  }
+  std::string found;
+  switch (last.state) {
+    case detail::RendezvousRead::State::absent:
+      found = "no file there (does rank 0 write it, and is the path on a file system every rank sees?)";
+      break;
+    case detail::RendezvousRead::State::other_key:
+      found = "a file with key \"" + last.key + "\" (left by another job?) instead of \"" + std::string(key) + "\"";
+      break;
+    default:
+      found = "a file it cannot use: " + last.why;
+      break;
+  }
+  throw timeout_error("tandem: wait_for_blob: waited " + std::to_string(options.timeout.count()) + " ms for `" + path +
+                      "` and found " + found);
+}
+
+/// Both halves: rank 0 publishes `blob`; every other rank fills `blob` (same size) from the file.
+inline void share_blob(const std::string& path, std::string_view key, int rank, std::span<std::byte> blob,
+                       FileRendezvousOptions options = {}) {
+  if (rank < 0) detail::fail("tandem: share_blob: `rank` is " + std::to_string(rank) + "; pass this process's rank");
+  if (blob.empty()) detail::fail("tandem: share_blob: `blob` is empty; pass the buffer to share (rank 0) or fill");
+  if (rank == 0) {
+    publish_blob(path, key, blob);
+    return;
+  }
+  const std::vector<std::byte> got = wait_for_blob(path, key, blob.size(), options);
+  std::memcpy(blob.data(), got.data(), blob.size());
+}
+
+}  // namespace tandem

@@ -1,0 +1,240 @@
+// SPDX-License-Identifier: Apache-2.0
+// Which launcher started this process, and where it sits in the job: rank, world size, local rank and size, read
+// from the variables each launcher sets. One helper, so that the MPI and NCCL bootstraps and the examples agree.
+//
+//   launcher   variables (rank, size / local rank, local size / extras)
+//   openmpi    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE
+//   torchrun   RANK, WORLD_SIZE / LOCAL_RANK, LOCAL_WORLD_SIZE / MASTER_ADDR, MASTER_PORT
+//   pmi        PMI_RANK, PMI_SIZE (MPICH's Hydra, srun --mpi=pmi2) / MPI_LOCALRANKID, MPI_LOCALNRANKS
+//   slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) / SLURM_LOCALID, SLURM_TASKS_PER_NODE at
+//              SLURM_NODEID; only inside a job step (SLURM_STEP_ID set): a batch script's own environment says
+//              SLURM_PROCID=0 of all the job's tasks, which is no launch at all
+//
+// When several launchers' variables are present (mpirun inside a SLURM allocation, torchrun inside srun), the most
+// specific wins in the order above, the process-level launcher over the allocation, and describe() lists the others as
+// ignored. Within the launcher it picks, inconsistent or malformed values (a rank not below the size, a local size
+// above the world size, "3x") throw tandem::error naming the variables.
+#pragma once
+
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/core/error.hpp"
+
+namespace tandem {
+
+enum class Launcher { none, openmpi, torchrun, pmi, slurm };
+
+constexpr const char* launcher_name(Launcher l) {
+  switch (l) {
+    case Launcher::none:
+      return "none";
+    case Launcher::openmpi:
+      return "Open MPI (mpirun)";
+    case Launcher::torchrun:
+      return "torchrun-style environment";
+    case Launcher::pmi:
+      return "PMI (MPICH Hydra, srun --mpi=pmi2)";
+    case Launcher::slurm:
+      return "SLURM (srun)";
+  }
+  return "?";
+}
+
+/// Where this process sits in the job, as its launcher told it.
+struct LaunchInfo {
+  Launcher launcher = Launcher::none;
+  int rank = 0;
+  int world_size = 1;
+  std::optional<int> local_rank;  ///< rank among the processes of this node (chooses the GPU); nullopt: not told
+  std::optional<int> local_size;  ///< processes on this node; nullopt: not told
+  std::optional<std::string> master_addr;  ///< torchrun-style only
+  std::optional<int> master_port;          ///< torchrun-style only
+  std::vector<std::string> found;          ///< the variables read, as NAME=value
+  std::vector<std::string> missing;        ///< variables this launcher normally sets that were absent
+  std::vector<std::string> ignored;        ///< other launchers' variables, present but not used, as NAME=value
+
+  /// One paragraph: the launcher, the values and the variables they came from, what is missing, what was ignored.
+  std::string describe() const {
+    std::string s;
+    if (launcher == Launcher::none) {
+      s = "tandem: no launcher found (looked for OMPI_COMM_WORLD_RANK/SIZE from mpirun, RANK/WORLD_SIZE from torchrun, "
+          "PMI_RANK/PMI_SIZE, SLURM_PROCID in an srun job step); running as rank 0 of 1";
+    } else {
+      s = std::string("tandem: launched by ") + launcher_name(launcher) + ": rank " + std::to_string(rank) + " of " +
+          std::to_string(world_size);
+      s += local_rank ? ", local rank " + std::to_string(*local_rank) : std::string(", local rank unknown");
+      s += local_size ? " of " + std::to_string(*local_size) : std::string(" of an unknown number");
+      if (master_addr || master_port)
+        s += ", master " + master_addr.value_or("?") + ":" + (master_port ? std::to_string(*master_port) : "?");
+      s += " (from " + join(found) + ")";
+    }
+    if (!missing.empty()) s += "; missing: " + join(missing);
+    if (!ignored.empty()) s += "; also set but ignored: " + join(ignored);
+    return s;
+  }
+
+ private:
+  static std::string join(const std::vector<std::string>& v) {
+    std::string s;
+    for (const std::string& x : v) s += (s.empty() ? "" : ", ") + x;
+    return s;
+  }
+};
+
+/// How detect_launch reads a variable: nullptr when unset. Tests pass their own.
+using EnvironmentLookup = std::function<const char*(const char*)>;
+
+namespace detail {
+
+/// The value of `name` as a non-negative int; throws naming the variable when it is not one.
+inline std::optional<int> env_int(const EnvironmentLookup& env, const char* name, std::vector<std::string>* found) {
+  const char* v = env(name);
+  if (v == nullptr) return std::nullopt;
+  const std::string text(v);
+  long long value = 0;
+  bool ok = !text.empty() && text.size() <= 9;
+  for (const char c : text) {
+    ok = ok && c >= '0' && c <= '9';
+    if (ok) value = value * 10 + (c - '0');
+  }
+  if (!ok)
+    fail(std::string("tandem: detect_launch: ") + name + " is \"" + text +
+         "\", not a non-negative integer; fix or unset it");
+  if (found != nullptr) found->push_back(std::string(name) + "=" + text);
+  return static_cast<int>(value);
+}
+
+/// SLURM_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of 3 nodes, then 1) at node `node`; nullopt when malformed.
+inline std::optional<int> slurm_tasks_on_node(const std::string& spec, int node) {
+  int at = 0;
+  std::size_t i = 0;
+  while (i < spec.size()) {
+    long long tasks = 0, repeat = 1;
+    const std::size_t start = i;
+    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9' && i - start < 9) tasks = tasks * 10 + (spec[i++] - '0');
+    if (i == start) return std::nullopt;
+    if (i < spec.size() && spec[i] == '(') {
+      if (spec.compare(i, 2, "(x") != 0) return std::nullopt;
+      i += 2;
+      const std::size_t rstart = i;
+      repeat = 0;
+      while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9' && i - rstart < 9)
+        repeat = repeat * 10 + (spec[i++] - '0');
+      if (i == rstart || i >= spec.size() || spec[i] != ')') return std::nullopt;
+      ++i;
+    }
+    if (node < at + repeat) return static_cast<int>(tasks);
+    at += static_cast<int>(repeat);
+    if (i < spec.size()) {
+      if (spec[i] != ',') return std::nullopt;
+      ++i;
+    }
+  }
+  return std::nullopt;
+}
+
+inline void check_launch(const LaunchInfo& info, const char* rank_var, const char* size_var, const char* local_rank_var,
+                         const char* local_size_var) {
+  const std::string who = std::string("tandem: detect_launch (") + launcher_name(info.launcher) + "): ";
+  if (info.world_size < 1) fail(who + size_var + " is " + std::to_string(info.world_size) + "; it must be at least 1");
+  if (info.rank >= info.world_size)
+    fail(who + rank_var + " is " + std::to_string(info.rank) + " but " + size_var + " is " +
+         std::to_string(info.world_size) + "; a rank must be below the world size");
+  if (info.local_size && (*info.local_size < 1 || *info.local_size > info.world_size))
+    fail(who + local_size_var + " is " + std::to_string(*info.local_size) + " but " + size_var + " is " +
+         std::to_string(info.world_size) + "; a node's process count must be in [1, world size]");
+  if (info.local_rank && info.local_size && *info.local_rank >= *info.local_size)
+    fail(who + local_rank_var + " is " + std::to_string(*info.local_rank) + " but " + local_size_var + " is " +
+         std::to_string(*info.local_size) + "; a local rank must be below the local size");
+  if (info.local_rank && *info.local_rank >= info.world_size)
+    fail(who + local_rank_var + " is " + std::to_string(*info.local_rank) + " but " + size_var + " is " +
+         std::to_string(info.world_size));
+}
+
+}  // namespace detail
+
+/// Reads the launcher's variables (see the table at the top of this header). Throws tandem::error when the launcher it
+/// recognises set them inconsistently; returns Launcher::none, rank 0 of 1, when no launcher's variables are set.
+inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* name) { return std::getenv(name); }) {
+  struct Candidate {
+    Launcher launcher;
+    const char *rank, *size, *size_fallback, *local_rank, *local_size;
+  };
+  const Candidate candidates[] = {
+      {Launcher::openmpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", nullptr, "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {Launcher::torchrun, "RANK", "WORLD_SIZE", nullptr, "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {Launcher::pmi, "PMI_RANK", "PMI_SIZE", nullptr, "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+      {Launcher::slurm, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+  };
+  const auto present = [&](const Candidate& c) {
+    if (c.launcher == Launcher::slurm) return env(c.rank) != nullptr && env("SLURM_STEP_ID") != nullptr;
+    return env(c.rank) != nullptr || env(c.size) != nullptr;
+  };
+
+  LaunchInfo info;
+  const Candidate* chosen = nullptr;
+  for (const Candidate& c : candidates) {
+    if (!present(c)) continue;
+    if (chosen == nullptr) {
+      chosen = &c;
+      continue;
+    }
+    for (const char* name : {c.rank, c.size})
+      if (const char* v = env(name)) info.ignored.push_back(std::string(name) + "=" + v);
+  }
+  if (chosen == nullptr) return info;
+  const Candidate& c = *chosen;
+  info.launcher = c.launcher;
+
+  const std::optional<int> rank = detail::env_int(env, c.rank, &info.found);
+  std::optional<int> size = detail::env_int(env, c.size, &info.found);
+  if (!size && c.size_fallback != nullptr) size = detail::env_int(env, c.size_fallback, &info.found);
+  if (!rank || !size) {
+    const std::string have = rank ? c.rank : (c.size_fallback && size ? c.size_fallback : c.size);
+    const std::string lack =
+        rank ? std::string(c.size) + (c.size_fallback ? std::string(" (or ") + c.size_fallback + ")" : "") : c.rank;
+    detail::fail(std::string("tandem: detect_launch (") + launcher_name(c.launcher) + "): " + have + " is set but " +
+                 lack + " is not; set both (or neither)");
+  }
+  info.rank = *rank;
+  info.world_size = *size;
+  info.local_rank = detail::env_int(env, c.local_rank, &info.found);
+  if (!info.local_rank) info.missing.push_back(c.local_rank);
+  if (c.local_size != nullptr) {
+    info.local_size = detail::env_int(env, c.local_size, &info.found);
+    if (!info.local_size) info.missing.push_back(c.local_size);
+  } else {  // SLURM: the tasks of this node, from the per-node list
+    const char* spec = env("SLURM_TASKS_PER_NODE");
+    const std::optional<int> node = detail::env_int(env, "SLURM_NODEID", &info.found);
+    if (spec == nullptr) info.missing.push_back("SLURM_TASKS_PER_NODE");
+    if (!node) info.missing.push_back("SLURM_NODEID");
+    if (spec != nullptr && node) {
+      info.found.push_back(std::string("SLURM_TASKS_PER_NODE=") + spec);
+      info.local_size = detail::slurm_tasks_on_node(spec, *node);
+      if (!info.local_size)
+        detail::fail(std::string("tandem: detect_launch (SLURM (srun)): SLURM_TASKS_PER_NODE is \"") + spec +
+                     "\" and SLURM_NODEID is " + std::to_string(*node) +
+                     "; expected a list like \"2(x3),1\" covering that node");
+    }
+  }
+  if (c.launcher == Launcher::torchrun) {
+    if (const char* addr = env("MASTER_ADDR")) {
+      info.master_addr = addr;
+      info.found.push_back(std::string("MASTER_ADDR=") + addr);
+    } else {
+      info.missing.push_back("MASTER_ADDR");
+    }
+    info.master_port = detail::env_int(env, "MASTER_PORT", &info.found);
+    if (!info.master_port) info.missing.push_back("MASTER_PORT");
+  }
+  const char* size_name = env(c.size) != nullptr ? c.size : c.size_fallback;
+  detail::check_launch(info, c.rank, size_name, c.local_rank, c.local_size ? c.local_size : "SLURM_TASKS_PER_NODE");
+  return info;
+}
+
+}  // namespace tandem

@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0
+// Launcher detection (comm/launch_env.hpp) against made-up environments, and the shared-file rendezvous
+// (comm/file_rendezvous.hpp) between threads: late writers, stale files from another job, torn files, timeouts.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tandem/comm/file_rendezvous.hpp"
+#include "tandem/comm/launch_env.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using Env = std::map<std::string, std::string>;
+
+tandem::LaunchInfo detect(const Env& env) {
+  return tandem::detect_launch([&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string scratch_path(const char* name) {
+  std::random_device rd;
+  return (std::filesystem::temp_directory_path() / (std::string("tandem_test_") + name + "_" + std::to_string(rd())))
+      .string();
+}
+
+}  // namespace
+
+TEST_CASE("detect_launch: no launcher") {
+  const tandem::LaunchInfo info = detect({{"HOME", "/root"}});
+  CHECK(info.launcher == tandem::Launcher::none);
+  CHECK(info.rank == 0);
+  CHECK(info.world_size == 1);
+  CHECK(contains(info.describe(), "no launcher found"));
+}
+
+TEST_CASE("detect_launch: each launcher's variables") {
+  SUBCASE("Open MPI") {
+    const auto info = detect({{"OMPI_COMM_WORLD_RANK", "3"},
+                              {"OMPI_COMM_WORLD_SIZE", "4"},
+                              {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                              {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+    CHECK(info.launcher == tandem::Launcher::openmpi);
+    CHECK(info.rank == 3);
+    CHECK(info.world_size == 4);
+    CHECK(info.local_rank == 1);
+    CHECK(info.local_size == 2);
+    CHECK(info.missing.empty());
+    CHECK(contains(info.describe(), "Open MPI (mpirun): rank 3 of 4, local rank 1 of 2"));
+  }
+  SUBCASE("torchrun style, without MASTER_PORT") {
+    const auto info = detect(
+        {{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node0"}});
+    CHECK(info.launcher == tandem::Launcher::torchrun);
+    CHECK(info.rank == 5);
+    CHECK(info.master_addr == "node0");
+    CHECK(!info.master_port);
+    CHECK(info.missing == std::vector<std::string>{"MASTER_PORT"});
+    CHECK(contains(info.describe(), "missing: MASTER_PORT"));
+  }
+  SUBCASE("PMI") {
+    const auto info = detect({{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}});
+    CHECK(info.launcher == tandem::Launcher::pmi);
+    CHECK(info.world_size == 2);
+    CHECK(!info.local_rank);
+    CHECK(info.missing == std::vector<std::string>{"MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
+    CHECK(contains(info.describe(), "local rank unknown"));
+  }
+  SUBCASE("SLURM job step: the local size comes from SLURM_TASKS_PER_NODE at SLURM_NODEID") {
+    const auto info = detect({{"SLURM_PROCID", "6"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_STEP_NUM_TASKS", "7"},
+                              {"SLURM_NTASKS", "99"},
+                              {"SLURM_LOCALID", "0"},
+                              {"SLURM_NODEID", "3"},
+                              {"SLURM_TASKS_PER_NODE", "2(x3),1"}});
+    CHECK(info.launcher == tandem::Launcher::slurm);
+    CHECK(info.rank == 6);
+    CHECK(info.world_size == 7);  // the step's tasks, not the allocation's
+    CHECK(info.local_rank == 0);
+    CHECK(info.local_size == 1);
+  }
+  SUBCASE("a SLURM batch script without srun is no launch") {
+    const auto info = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}});
+    CHECK(info.launcher == tandem::Launcher::none);
+  }
+}
+
+TEST_CASE("detect_launch: mpirun inside a SLURM step wins; the SLURM variables are listed as ignored") {
+  const auto info = detect({{"OMPI_COMM_WORLD_RANK", "1"},
+                            {"OMPI_COMM_WORLD_SIZE", "2"},
+                            {"SLURM_PROCID", "0"},
+                            {"SLURM_STEP_ID", "4"},
+                            {"SLURM_NTASKS", "1"}});
+  CHECK(info.launcher == tandem::Launcher::openmpi);
+  CHECK(info.rank == 1);
+  CHECK(contains(info.describe(), "also set but ignored: SLURM_PROCID=0"));
+}
+
+TEST_CASE("detect_launch: inconsistent or malformed variables name themselves") {
+  CHECK_THROWS_WITH_AS(detect({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),
+                       "tandem: detect_launch (torchrun-style environment): RANK is 4 but WORLD_SIZE is 4; a rank "
+                       "must be below the world size",
+                       tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"RANK", "1"}}), doctest::Contains("RANK is set but WORLD_SIZE is not"), tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"PMI_RANK", "1x"}, {"PMI_SIZE", "2"}}),
+                       doctest::Contains("PMI_RANK is \"1x\", not a non-negative integer"), tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"OMPI_COMM_WORLD_RANK", "0"},
+                               {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}),
+                       doctest::Contains("OMPI_COMM_WORLD_LOCAL_RANK is 2 but OMPI_COMM_WORLD_LOCAL_SIZE is 2"),
+                       tandem::error);
+  CHECK_THROWS_WITH_AS(
+      detect({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}}),
+      doctest::Contains("a node's process count must be in [1, world size]"), tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"SLURM_PROCID", "0"},
+                               {"SLURM_STEP_ID", "0"},
+                               {"SLURM_NTASKS", "2"},
+                               {"SLURM_NODEID", "5"},
+                               {"SLURM_TASKS_PER_NODE", "2"}}),
+                       doctest::Contains("SLURM_TASKS_PER_NODE is \"2\" and SLURM_NODEID is 5"), tandem::error);
+}
+
+TEST_CASE("slurm_tasks_on_node parses SLURM's compressed per-node lists") {
+  using tandem::detail::slurm_tasks_on_node;
+  CHECK(slurm_tasks_on_node("4", 0) == 4);
+  CHECK(slurm_tasks_on_node("2(x3),1", 2) == 2);
+  CHECK(slurm_tasks_on_node("2(x3),1", 3) == 1);
+  CHECK(!slurm_tasks_on_node("2(x3),1", 4));
+  CHECK(!slurm_tasks_on_node("2(3)", 0));
+  CHECK(!slurm_tasks_on_node("", 0));
+}
+
+TEST_CASE("share_blob: rank 0 publishes late; three readers wait and get the same 128 bytes") {
+  const std::string path = scratch_path("blob");
+  std::array<std::byte, 128> id{};
+  for (std::size_t i = 0; i < id.size(); ++i) id[i] = static_cast<std::byte>(i * 7 + 3);
+  std::vector<std::array<std::byte, 128>> got(4);
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        std::array<std::byte, 128>& mine = got[static_cast<std::size_t>(r)];
+        if (r == 0) {
+          std::this_thread::sleep_for(100ms);
+          mine = id;
+        }
+        tandem::share_blob(path, "job-17", r, mine, {.timeout = 10s, .poll_interval = 5ms});
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(errors[static_cast<std::size_t>(r)].empty());
+    CHECK(got[static_cast<std::size_t>(r)] == id);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("wait_for_blob skips a stale file with another key, and a torn file, until the right one appears") {
+  const std::string path = scratch_path("stale");
+  const std::array<std::byte, 4> old_blob{std::byte{9}, std::byte{9}, std::byte{9}, std::byte{9}};
+  tandem::publish_blob(path, "old-job", old_blob);
+  {  // a torn copy of a valid file under another name, to check that readers reject partial files
+    const auto bytes = tandem::detail::rendezvous_file("new-job", old_blob);
+    std::ofstream(path + ".torn", std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), 20);
+    CHECK(tandem::detail::read_rendezvous(path + ".torn", "new-job").state ==
+          tandem::detail::RendezvousRead::State::unreadable);
+    std::filesystem::remove(path + ".torn");
+  }
+  const std::array<std::byte, 4> new_blob{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}};
+  std::thread writer([&] {
+    std::this_thread::sleep_for(150ms);
+    tandem::publish_blob(path, "new-job", new_blob);
+  });
+  const std::vector<std::byte> got = tandem::wait_for_blob(path, "new-job", 4, {.timeout = 10s, .poll_interval = 5ms});
+  writer.join();
+  CHECK(std::equal(got.begin(), got.end(), new_blob.begin(), new_blob.end()));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("wait_for_blob: timeouts say what was found; a size mismatch is an error") {
+  const std::string path = scratch_path("timeout");
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("found no file there"), tandem::timeout_error);
+  const std::array<std::byte, 4> blob{};
+  tandem::publish_blob(path, "other", blob);
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "mine", 4, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("a file with key \"other\" (left by another job?) instead of \"mine\""),
+                       tandem::timeout_error);
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "other", 8, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("holds a 4-byte blob but this rank expects 8 bytes"), tandem::error);
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH_AS(tandem::publish_blob("/nonexistent-dir/x", "k", blob), doctest::Contains("cannot create"),
+                       tandem::error);
+}
