@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host backend: memory is ordinary (64-byte aligned) host memory, copies are memcpy, and launch() runs a
 // kernel body over its work items in linear order, serially or split into contiguous ranges across threads.
-// Work completes before each call returns, so streams and events are trivially satisfied.
+// Work completes before each call returns, so streams and events are trivially satisfied: Event is empty and
+// record/wait do nothing, which is what makes the CUDA backend's stream protocol no-op-correct here.
 #pragma once
 
 #include <cstddef>
@@ -62,6 +63,10 @@ class HostBackend {
  public:
   template <class T>
   using Buffer = HostBuffer<T>;
+  struct Event {};
+
+  /// Whether buffers are host memory (the host can read them without a copy).
+  static constexpr bool host_memory = true;
 
   HostBackend() = default;
   explicit HostBackend(HostBackendOptions options) : options_(options) {
@@ -71,6 +76,8 @@ class HostBackend {
   }
 
   static constexpr const char* name() { return "host"; }
+  /// tandem's work stream (the host has only one order: the calling thread's).
+  Stream stream() const { return {}; }
 
   template <class T>
   Buffer<T> allocate(std::size_t n) const {
@@ -84,6 +91,9 @@ class HostBackend {
   void zero(void* dst, std::size_t bytes, Stream = {}) const {
     if (bytes != 0) std::memset(dst, 0, bytes);
   }
+
+  /// Copies `bytes` of backend memory to the host (here: a copy).
+  void read(void* host, const void* src, std::size_t bytes, Stream = {}) const { copy(host, src, bytes); }
 
   /// Runs body(item, 0, 1) for item = 0 .. items-1: in order on one thread, or in contiguous ranges.
   template <class Body>
@@ -112,6 +122,16 @@ class HostBackend {
     for (std::size_t i = 0; i < items; ++i) total += body(i, 0u, 1u);
     return total;
   }
+
+  /// *out = sum(items, body): the same additions in the same order.
+  template <class Body>
+  void sum_to(std::size_t items, const Body& body, double* out, Stream = {}) const {
+    *out = sum(items, body);
+  }
+
+  Event make_event() const { return {}; }
+  void record(Event&, Stream) const {}
+  void wait(Stream, const Event&) const {}
 
   void synchronize(Stream = {}) const {}
 

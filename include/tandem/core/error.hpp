@@ -50,6 +50,22 @@ namespace detail {
 /// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
 [[noreturn]] inline void fail(std::string what) { throw error(std::move(what)); }
 
+/// The rank this thread works for, named in errors raised by CUDA, NCCL and MPI calls (-1: not known yet).
+/// Communicators set it when a rank's thread builds them.
+inline int& error_rank() {
+  thread_local int rank = -1;
+  return rank;
+}
+
+/// "status N (name) in `call` at file:line on rank R": how CUDA/NCCL/MPI check macros describe a failure.
+inline std::string describe_failure(const char* library, int status, const char* name, const char* call,
+                                    const char* file, int line) {
+  std::string s = std::string("tandem: ") + library + " call `" + call + "` failed with status " +
+                  std::to_string(status) + " (" + name + ") at " + file + ":" + std::to_string(line);
+  if (error_rank() >= 0) s += " on rank " + std::to_string(error_rank());
+  return s;
+}
+
 /// Throws tandem::error with `what` unless `condition` holds.
 inline void require(bool condition, const char* what) {
   if (!condition) fail(what);

@@ -14,6 +14,12 @@
 //   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator
 // With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat
 // and grad_flat, and pack/unpack disappear.
+//
+// Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream.
+// Every public call enters by making the work stream wait for an event recorded on the user's stream, and a call
+// that ends the user's hold on its buffers (step, broadcast_parameters, load_checkpoint) leaves by making the user's
+// stream wait for an event recorded on the work stream. All of tandem's own buffers are used only on the work
+// stream, so its program order is their reuse order. On the host backend events are empty and calls are no-ops.
 #pragma once
 
 #include <algorithm>
@@ -56,7 +62,7 @@ struct DataParallelOptions {
   int accumulation_steps = 1;                                 ///< micro-steps per optimizer step
   float max_grad_norm = 0.0f;                ///< > 0: scale gradients so that their global L2 norm is at most this
   NonFinite non_finite = NonFinite::ignore;  ///< checking costs one pass over the owned gradients
-  Stream stream = {};                        ///< where tandem's work is ordered
+  Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };
 
 /// Whether this rank has another micro-batch to train on, for DataParallel::all_ranks_have_batch.
@@ -121,55 +127,51 @@ class DataParallel {
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
+    enter();
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
       if (storage_ == Storage::user && rank_ == root) pack_params(b);
       void* flat = param_bucket(b);
-      comm_.broadcast(flat, flat, bucket.size, pdtype_, root, options_.stream);
+      comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());
       if (storage_ == Storage::user && rank_ != root) unpack_params(b);
     }
     init_masters();
     synced_ = true;
+    leave();
+  }
+
+  /// Optional, for overlap: tensor i's gradient for this micro-step is complete on the user's stream (call it from
+  /// backward, as each gradient is produced). When every tensor of the next bucket in bucket order is ready, that
+  /// bucket's pack and collective are issued on the work stream behind an event on the user's stream, so they
+  /// overlap the rest of backward; step() issues whatever is left. Buckets go out in bucket order on every rank
+  /// (a bucket that completes early waits for the ones before it), so the ranks' collectives always match. On the
+  /// host backend the bucket's work simply runs now. Calling it for some tensors, all or none gives the same result.
+  void grad_ready(std::size_t i) {
+    check_stepping("grad_ready");
+    if (i >= layout_.size())
+      detail::fail("tandem: grad_ready(" + std::to_string(i) + "): index out of range; the layout has " +
+                   std::to_string(layout_.size()) + " tensors");
+    if (ready_[i])
+      detail::fail("tandem: grad_ready(" + std::to_string(i) + ") called twice in one micro-step (" +
+                   layout_.describe(i) + "); call it once per tensor between two step() calls");
+    ready_[i] = 1;
+    ++bucket_ready_[plan_.placement(i).bucket];
+    issue_ready_buckets(false);
   }
 
   /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
   /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
   StepResult step() {
-    Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
-    if (Opt::state_count(optimizer_) > state_count_)
-      detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
-                   std::to_string(Opt::state_count(optimizer_)) + " state buffers but were constructed with " +
-                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
-    if (!synced_)
-      detail::fail(
-          "tandem: step() before broadcast_parameters(): with owned storage, write the initial "
-          "parameters through the views and call broadcast_parameters() first");
-    const bool first = micro_ == 0;
+    check_stepping("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
-    const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
     const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
-
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      const Bucket& bucket = plan_.bucket(b);
-      if constexpr (P::reduction == GradientReduction::every_micro_step) {
-        float* send = storage_ == Storage::user ? staging_.data() : grad_flat_.data() + bucket.offset;
-        if (storage_ == Storage::user) {
-          pack_grads(b, send, WriteMode::assign, pack_scale);
-          for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
-            backend_.zero(send + gap.begin, gap.size() * sizeof(float), options_.stream);
-        }
-        P::reduce_gradients(comm_, view(b, send));
-        const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
-        cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
-        if (storage_ == Storage::owned) backend_.zero(send, bucket.size * sizeof(float), options_.stream);
-      } else {
-        float* grads = grad_flat_.data() + bucket.offset;
-        if (storage_ == Storage::user) pack_grads(b, grads, mode, pack_scale);
-        if (boundary) P::reduce_gradients(comm_, view(b, grads));
-      }
-    }
+    issue_ready_buckets(true);  // the buckets grad_ready has not issued yet
+    std::fill(ready_.begin(), ready_.end(), 0);
+    std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+    next_bucket_ = 0;
     if (!boundary) {
       ++micro_;
+      leave();
       return {.updated = false, .step = step_};
     }
 
@@ -183,11 +185,12 @@ class DataParallel {
                      std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::skip_step) {
         if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
-          backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);
+          backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
         micro_ = 0;
         ++skipped_;
         result.skipped = true;
         result.step = step_;
+        leave();
         return result;
       }
       if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
@@ -201,10 +204,11 @@ class DataParallel {
       if (storage_ == Storage::user) unpack_params(b);
     }
     if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
-      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);
+      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
     micro_ = 0;
     result.updated = true;
     result.step = step_;
+    leave();
     return result;
   }
 
@@ -223,9 +227,7 @@ class DataParallel {
   bool all_ranks_have_batch(Batch mine) {
     const std::uint64_t taken = (step_ + skipped_) * static_cast<std::uint64_t>(options_.accumulation_steps) +
                                 static_cast<std::uint64_t>(micro_);
-    const std::uint64_t words[2] = {mine == Batch::exhausted ? 1u : 0u, taken};
-    std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(world_));
-    comm_.all_gather(words, all.data(), 2, DType::fp64, options_.stream);
+    const std::vector<std::uint64_t> all = all_gather_words({mine == Batch::exhausted ? 1u : 0u, taken});
     bool available = true;
     for (int r = 0; r < world_; ++r) {
       const std::uint64_t* w = &all[2 * static_cast<std::size_t>(r)];
@@ -246,7 +248,10 @@ class DataParallel {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
+    enter();
     const std::vector<float> masters = pdtype_ == DType::fp32 ? std::vector<float>{} : gather_owned(master_.data());
+    std::vector<unsigned char> params(rank_ == 0 ? param_flat_.bytes() : 0);
+    if (rank_ == 0) backend_.read(params.data(), param_flat_.data(), params.size(), work_stream());
     std::vector<std::vector<float>> states;
     for (std::size_t k = 0; k < state_count_; ++k) states.push_back(gather_owned(state_[k].data()));
     std::string problem;
@@ -263,7 +268,7 @@ class DataParallel {
         c.tensors = layout_.tensors();
         for (std::size_t i = 0; i < layout_.size(); ++i) {
           const std::size_t at = flat_index(i), n = layout_[i].numel;
-          const auto* p = param_flat_.data() + at * psize_;
+          const auto* p = params.data() + at * psize_;
           c.params.emplace_back(p, p + n * psize_);
           c.masters.emplace_back(masters.empty()
                                      ? std::vector<float>{}
@@ -296,25 +301,31 @@ class DataParallel {
       problem = e.what();
     }
     all_ranks_succeed(problem);
+    enter();
+    // backend_.copy from host memory: the copies read `c` before they return (pageable host memory), and `c`
+    // outlives them anyway until the read in unpack or the end of this call.
     for (std::size_t i = 0; i < layout_.size(); ++i) {
       const std::size_t at = flat_index(i), n = layout_[i].numel;
       if (n == 0) continue;
-      std::memcpy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_);
+      backend_.copy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_, work_stream());
       const Placement& place = plan_.placement(i);
       const Range owned = owned_range(place.bucket);
       const std::size_t begin = std::max(at, owned.begin), end = std::min(at + n, owned.end);
       if (begin >= end) continue;
       const std::size_t into = owned_offset(place.bucket) + (begin - owned.begin), from = begin - at;
       if (pdtype_ != DType::fp32)
-        std::memcpy(master_.data() + into, c.masters[i].data() + from, (end - begin) * sizeof(float));
+        backend_.copy(master_.data() + into, c.masters[i].data() + from, (end - begin) * sizeof(float), work_stream());
       for (std::size_t k = 0; k < state_count_; ++k)
-        std::memcpy(state_[k].data() + into, c.states[i][k].data() + from, (end - begin) * sizeof(float));
+        backend_.copy(state_[k].data() + into, c.states[i][k].data() + from, (end - begin) * sizeof(float),
+                      work_stream());
     }
     step_ = c.step;
     micro_ = 0;
     synced_ = true;
     if (storage_ == Storage::user)
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(b);
+    backend_.synchronize(work_stream());  // `c` (host memory the copies read) ends with this call
+    leave();
   }
 
   /// Bytes this rank holds for training, by category, counted from the actual allocations.
@@ -363,6 +374,87 @@ class DataParallel {
  private:
   enum class Storage { user, owned };
 
+  // ---- streams and buckets in flight ----------------------------------------------------------------------
+
+  /// tandem's work stream (the backend's).
+  Stream work_stream() const { return backend_.stream(); }
+
+  /// Later work on the work stream waits for everything issued so far on the user's stream.
+  void enter() {
+    backend_.record(user_event_, options_.stream);
+    backend_.wait(work_stream(), user_event_);
+  }
+
+  /// Later work on the user's stream waits for everything issued so far on the work stream: the user may then
+  /// read the parameters and overwrite the gradients.
+  void leave() {
+    backend_.record(work_event_, work_stream());
+    backend_.wait(options_.stream, work_event_);
+  }
+
+  void check_stepping(const char* what) const {
+    Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
+    if (Opt::state_count(optimizer_) > state_count_)
+      detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
+                   std::to_string(Opt::state_count(optimizer_)) + " state buffers but were constructed with " +
+                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
+    if (!synced_)
+      detail::fail(std::string("tandem: ") + what +
+                   " before broadcast_parameters(): with owned storage, write the initial "
+                   "parameters through the views and call broadcast_parameters() first");
+  }
+
+  /// Issues the buckets, in bucket order, from next_bucket_ on: while each is complete (all its tensors
+  /// grad_ready), or all of them when `all`.
+  void issue_ready_buckets(bool all) {
+    bool entered = false;
+    for (; next_bucket_ < plan_.num_buckets(); ++next_bucket_) {
+      const std::size_t b = next_bucket_;
+      if (!all && bucket_ready_[b] != plan_.bucket(b).tensors.size()) break;
+      if (!entered) enter();  // the gradients written so far on the user's stream
+      entered = true;
+      issue_bucket(b);
+    }
+  }
+
+  /// One micro-step's work on bucket b: pack its gradients and reduce them as the policy says.
+  void issue_bucket(std::size_t b) {
+    const bool first = micro_ == 0;
+    const bool boundary = micro_ + 1 == options_.accumulation_steps;
+    const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
+    const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
+    const Bucket& bucket = plan_.bucket(b);
+    if constexpr (P::reduction == GradientReduction::every_micro_step) {
+      float* send = storage_ == Storage::user ? staging_.data() : grad_flat_.data() + bucket.offset;
+      if (storage_ == Storage::user) {
+        pack_grads(b, send, WriteMode::assign, pack_scale);
+        for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
+          backend_.zero(send + gap.begin, gap.size() * sizeof(float), work_stream());
+      }
+      P::reduce_gradients(comm_, view(b, send));
+      const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
+      cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
+      if (storage_ == Storage::owned) backend_.zero(send, bucket.size * sizeof(float), work_stream());
+    } else {
+      float* grads = grad_flat_.data() + bucket.offset;
+      if (storage_ == Storage::user) pack_grads(b, grads, mode, pack_scale);
+      if (boundary) P::reduce_gradients(comm_, view(b, grads));
+    }
+  }
+
+  /// Every rank's `words` words (mine first), gathered through backend memory (which NCCL needs): rank r's words
+  /// at [r * words, (r + 1) * words) of the result. Waits for the work stream.
+  std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
+    const std::size_t words = mine.size();
+    Buffer<std::uint64_t> staging =
+        backend_.template allocate<std::uint64_t>(words * (static_cast<std::size_t>(world_) + 1));
+    backend_.copy(staging.data(), mine.data(), words * sizeof(std::uint64_t), work_stream());
+    comm_.all_gather(staging.data(), staging.data() + words, words, DType::fp64, work_stream());
+    std::vector<std::uint64_t> all(words * static_cast<std::size_t>(world_));
+    backend_.read(all.data(), staging.data() + words, all.size() * sizeof(std::uint64_t), work_stream());
+    return all;
+  }
+
   // ---- construction -------------------------------------------------------------------------------------
 
   void construct(std::vector<TensorSpec> specs, Storage storage) {
@@ -384,6 +476,7 @@ class DataParallel {
       problem = "tandem: an unknown exception was thrown while validating the arguments";
     }
     agree_across_ranks(problem);
+    enter();  // the user's buffers as written on the user's stream
 
     pdtype_ = layout_[0].dtype;
     psize_ = dtype_size(pdtype_);
@@ -396,12 +489,15 @@ class DataParallel {
     po.shard_alignment_elements = 128 / psize_;
     plan_ = Plan(layout_sizes(), po);
     allocate();
+    ready_.assign(layout_.size(), 0);
+    bucket_ready_.assign(plan_.num_buckets(), 0);
     if (storage_ == Storage::user) {
       build_pack_tables();
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) pack_params(b);
       init_masters();
       synced_ = true;
     }
+    leave();
   }
 
   void check_view(std::size_t i, const char* what) const {
@@ -463,10 +559,10 @@ class DataParallel {
   /// Every rank passes its own problem (empty: none); every rank throws if any rank had one. Collective.
   void all_ranks_succeed(const std::string& problem) {
     constexpr std::size_t words = 64;
-    std::vector<std::uint64_t> mine(words, 0), all(words * static_cast<std::size_t>(world_), 0);
+    std::vector<std::uint64_t> mine(words, 0);
     mine[0] = problem.empty() ? 0 : 1;
     std::memcpy(&mine[1], problem.data(), std::min((words - 1) * sizeof(std::uint64_t) - 1, problem.size()));
-    comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
+    const std::vector<std::uint64_t> all = all_gather_words(mine);
     if (!problem.empty()) throw error(problem);
     for (int r = 0; r < world_; ++r) {
       const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
@@ -478,15 +574,18 @@ class DataParallel {
 
   /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
   std::vector<float> gather_owned(const float* owned) {
-    std::vector<float> full(plan_.total_size());
+    Buffer<float> gathered = backend_.template allocate<float>(plan_.total_size());
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
       if (P::state == StateSharding::replicated)
-        std::memcpy(full.data() + bucket.offset, owned + bucket.offset, bucket.size * sizeof(float));
+        backend_.copy(gathered.data() + bucket.offset, owned + bucket.offset, bucket.size * sizeof(float),
+                      work_stream());
       else
-        comm_.all_gather(owned + bucket.shard_offset, full.data() + bucket.offset, bucket.shard_size, DType::fp32,
-                         options_.stream);
+        comm_.all_gather(owned + bucket.shard_offset, gathered.data() + bucket.offset, bucket.shard_size, DType::fp32,
+                         work_stream());
     }
+    std::vector<float> full(plan_.total_size());
+    backend_.read(full.data(), gathered.data(), gathered.bytes(), work_stream());
     return full;
   }
 
@@ -513,7 +612,7 @@ class DataParallel {
   void agree_across_ranks(const std::string& problem) {
     all_ranks_succeed(problem);
     constexpr std::size_t words = 11;
-    std::vector<std::uint64_t> mine(words, 0), all(words * static_cast<std::size_t>(world_), 0);
+    std::vector<std::uint64_t> mine(words, 0);
     mine[0] = layout_.fingerprint();
     mine[1] = layout_.size();
     mine[2] = layout_.total_numel();
@@ -526,7 +625,7 @@ class DataParallel {
     mine[9] = static_cast<std::uint64_t>(world_);
     std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
     mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
-    comm_.all_gather(mine.data(), all.data(), words, DType::fp64, options_.stream);
+    const std::vector<std::uint64_t> all = all_gather_words(mine);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
       const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
@@ -564,21 +663,21 @@ class DataParallel {
   void allocate() {
     const std::size_t owned = owned_total();
     param_flat_ = backend_.template allocate<unsigned char>(plan_.total_size() * psize_);
-    backend_.zero(param_flat_.data(), param_flat_.bytes(), options_.stream);
+    backend_.zero(param_flat_.data(), param_flat_.bytes(), work_stream());
     if (pdtype_ != DType::fp32) master_ = backend_.template allocate<float>(owned);
     state_count_ = Opt::state_count(optimizer_);
     for (std::size_t k = 0; k < state_count_; ++k) {
       state_[k] = backend_.template allocate<float>(owned);
-      backend_.zero(state_[k].data(), state_[k].bytes(), options_.stream);
+      backend_.zero(state_[k].data(), state_[k].bytes(), work_stream());
     }
     if (P::reduction == GradientReduction::at_boundary || storage_ == Storage::owned) {
       grad_flat_ = backend_.template allocate<float>(plan_.total_size());
-      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), options_.stream);  // padding stays zero forever
+      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());  // padding stays zero forever
     }
     if (P::reduction == GradientReduction::every_micro_step) {
       if (storage_ == Storage::user) {
         staging_ = backend_.template allocate<float>(plan_.max_bucket_size());
-        backend_.zero(staging_.data(), staging_.bytes(), options_.stream);
+        backend_.zero(staging_.data(), staging_.bytes(), work_stream());
       }
       grad_shard_ = backend_.template allocate<float>(plan_.total_shard_size());
     }
@@ -590,15 +689,19 @@ class DataParallel {
       params.push_back(t.param);
       grads.push_back(t.grad);
     }
+    std::vector<PackTable> param_tables, grad_tables;
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      param_tables_.push_back(make_pack_table(plan_, b, params));
-      grad_tables_.push_back(make_pack_table(plan_, b, grads));
+      param_tables.push_back(make_pack_table(plan_, b, params));
+      grad_tables.push_back(make_pack_table(plan_, b, grads));
     }
+    // Built once, kept in backend memory: a step launches with three pointers per bucket and copies nothing.
+    param_tables_ = ResidentPackTables<Backend>(backend_, param_tables, work_stream());
+    grad_tables_ = ResidentPackTables<Backend>(backend_, grad_tables, work_stream());
     if (P::reduction != GradientReduction::every_micro_step) return;
     staging_gaps_.resize(plan_.num_buckets());  // bucket elements no tensor covers: alignment gaps, padding
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       std::size_t at = 0;
-      for (const PackTensor& t : grad_tables_[b].tensors) {
+      for (const PackTensor& t : grad_tables[b].tensors) {
         if (t.offset > at) staging_gaps_[b].push_back({at, t.offset});
         at = std::max(at, t.offset + t.numel);
       }
@@ -619,7 +722,7 @@ class DataParallel {
 
   BucketView view(std::size_t b, float* grads) const {
     const Bucket& bucket = plan_.bucket(b);
-    return {grads, param_bucket(b), pdtype_, bucket.size, bucket.shard_size, rank_, options_.stream};
+    return {grads, param_bucket(b), pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
   StoreHint hint(std::size_t b, std::size_t element_bytes) const {
@@ -627,50 +730,49 @@ class DataParallel {
   }
 
   void pack_params(std::size_t b) {
-    const PackTable& t = param_tables_[b];
+    const PackTableView& t = param_tables_[b];
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
-      backend_.launch(t.size(),
-                      PackBody<T, T, PackDirection::to_bucket>{t.reading_user.data(), t.tensors.data(),
+      backend_.launch(t.items,
+                      PackBody<T, T, PackDirection::to_bucket>{t.reading_user, t.tensors,
                                                                static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
-                      options_.stream);
+                      work_stream());
     });
   }
 
   void unpack_params(std::size_t b) {
-    const PackTable& t = param_tables_[b];
+    const PackTableView& t = param_tables_[b];
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
-      backend_.launch(
-          t.size(),
-          PackBody<T, T, PackDirection::from_bucket>{t.reading_bucket.data(), t.tensors.data(),
-                                                     static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
-          options_.stream);
+      backend_.launch(t.items,
+                      PackBody<T, T, PackDirection::from_bucket>{
+                          t.reading_bucket, t.tensors, static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
+                      work_stream());
     });
   }
 
   void pack_grads(std::size_t b, float* bucket, WriteMode mode, float scale) {
-    const PackTable& t = grad_tables_[b];
+    const PackTableView& t = grad_tables_[b];
     visit_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       if (mode == WriteMode::assign)
-        backend_.launch(t.size(),
+        backend_.launch(t.items,
                         PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{
-                            t.reading_user.data(), t.tensors.data(), bucket, scale, hint(b, sizeof(float))},
-                        options_.stream);
+                            t.reading_user, t.tensors, bucket, scale, hint(b, sizeof(float))},
+                        work_stream());
       else
-        backend_.launch(t.size(),
-                        PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{
-                            t.reading_user.data(), t.tensors.data(), bucket, scale},
-                        options_.stream);
+        backend_.launch(t.items,
+                        PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{t.reading_user, t.tensors,
+                                                                                            bucket, scale},
+                        work_stream());
     });
   }
 
   void cast(const float* src, float* dst, std::size_t n, WriteMode mode) {
     if (mode == WriteMode::assign)
-      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::assign>{src, dst, n, 1.0f}, options_.stream);
+      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::assign>{src, dst, n, 1.0f}, work_stream());
     else
-      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f}, options_.stream);
+      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f}, work_stream());
   }
 
   /// The owned flat range of bucket b, and where it starts in the owned (master/state) space.
@@ -694,25 +796,29 @@ class DataParallel {
   /// bucket order) of shard (b, r)'s sum of squares. Under sharded state each rank computes its own term and
   /// one scalar all-reduce adds them in rank order; under replicated state each rank computes every term
   /// itself in the same order. Either way the result is bitwise the same under every policy.
+  ///
+  /// Every term is summed into backend memory, combined there in that order (OrderedSumBody), all-reduced there,
+  /// and only the total is read back: the one point where step() waits for the work stream (docs/cuda.md).
   double global_sum_of_squares() {
-    auto rank_term = [&](int r) {
-      double term = 0.0;
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+    const std::size_t buckets = plan_.num_buckets();
+    const std::size_t ranks = P::state == StateSharding::replicated ? static_cast<std::size_t>(world_) : 1;
+    if (norm_terms_.size() != ranks * buckets + 1)
+      norm_terms_ = backend_.template allocate<double>(ranks * buckets + 1);
+    double* total = norm_terms_.data() + ranks * buckets;
+    for (std::size_t g = 0; g < ranks; ++g)
+      for (std::size_t b = 0; b < buckets; ++b) {
         const std::size_t n = plan_.bucket(b).shard_size;
         const float* x = owned_grads(b);
-        if (P::state == StateSharding::replicated) x += static_cast<std::size_t>(r) * n;
-        term += backend_.sum(sum_squares_items(n), SumSquaresBody{x, n}, options_.stream);
+        if (P::state == StateSharding::replicated) x += g * n;
+        backend_.sum_to(sum_squares_items(n), SumSquaresBody{x, n}, norm_terms_.data() + g * buckets + b,
+                        work_stream());
       }
-      return term;
-    };
-    if (P::state == StateSharding::replicated) {
-      double total = 0.0;
-      for (int r = 0; r < world_; ++r) total += rank_term(r);
-      return total;
-    }
-    double total = rank_term(rank_);
-    comm_.all_reduce(&total, &total, 1, DType::fp64, ReduceOp::sum, options_.stream);
-    return total;
+    backend_.launch(1, OrderedSumBody{norm_terms_.data(), ranks, buckets, total}, work_stream());
+    if (P::state != StateSharding::replicated)
+      comm_.all_reduce(total, total, 1, DType::fp64, ReduceOp::sum, work_stream());
+    double host = 0.0;
+    backend_.read(&host, total, sizeof host, work_stream());
+    return host;
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
@@ -724,7 +830,7 @@ class DataParallel {
         const Range r = owned_range(b);
         const T* src = reinterpret_cast<const T*>(param_flat_.data()) + r.begin;
         backend_.launch(cast_items(r.size()), CastBody<T, float>{src, master_.data() + owned_offset(b), r.size(), 1.0f},
-                        options_.stream);
+                        work_stream());
       }
     });
   }
@@ -740,7 +846,7 @@ class DataParallel {
       for (std::size_t k = 0; k < 2; ++k) a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
       a.n = r.size();
       a.grad_scale = grad_scale;
-      backend_.launch(update_items(a.n), typename Opt::template Body<T>{a, scalars}, options_.stream);
+      backend_.launch(update_items(a.n), typename Opt::template Body<T>{a, scalars}, work_stream());
     });
   }
 
@@ -759,7 +865,7 @@ class DataParallel {
   Plan plan_;
   DType pdtype_ = DType::fp32;
   std::size_t psize_ = 4;
-  std::vector<PackTable> param_tables_, grad_tables_;
+  ResidentPackTables<Backend> param_tables_, grad_tables_;
   std::vector<std::vector<Range>> staging_gaps_;
   Buffer<unsigned char> param_flat_;
   Buffer<float> master_;
@@ -767,6 +873,12 @@ class DataParallel {
   Buffer<float> grad_flat_;
   Buffer<float> staging_;
   Buffer<float> grad_shard_;
+  Buffer<double> norm_terms_;  ///< the global norm's terms and, last, their total
+  typename Backend::Event user_event_ = backend_.make_event();
+  typename Backend::Event work_event_ = backend_.make_event();
+  std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step
+  std::vector<std::size_t> bucket_ready_;  ///< ready tensors per bucket in this micro-step
+  std::size_t next_bucket_ = 0;            ///< buckets [0, next_bucket_) are issued in this micro-step
   std::size_t state_count_ = 0;
   int micro_ = 0;
   std::uint64_t step_ = 0;

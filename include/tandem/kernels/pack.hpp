@@ -21,6 +21,7 @@
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/plan.hpp"
+#include "tandem/core/stream.hpp"
 #include "tandem/kernels/vector.hpp"
 
 namespace tandem {
@@ -91,6 +92,55 @@ inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vec
   }
   return table;
 }
+
+/// Where a bucket's tables live for launches: in the backend's memory (device memory on CUDA).
+struct PackTableView {
+  const PackItem* reading_user = nullptr;
+  const PackItem* reading_bucket = nullptr;
+  const PackTensor* tensors = nullptr;
+  std::size_t items = 0;  ///< items of one launch over the bucket (both lists hold this many)
+};
+
+/// Every bucket's PackTable copied once into backend memory (one allocation for the items, one for the tensors),
+/// so that a step copies nothing, a launch passes three pointers whatever the tensor count (no kernel-parameter
+/// limit), and the launches can be captured in a CUDA graph.
+template <class Backend>
+class ResidentPackTables {
+ public:
+  ResidentPackTables() = default;
+  ResidentPackTables(const Backend& backend, const std::vector<PackTable>& tables, Stream stream) {
+    std::size_t items = 0, tensors = 0;
+    for (const PackTable& t : tables) {
+      items += 2 * t.size();
+      tensors += t.tensors.size();
+    }
+    items_ = backend.template allocate<PackItem>(items);
+    tensors_ = backend.template allocate<PackTensor>(tensors);
+    std::size_t i = 0, k = 0;
+    for (const PackTable& t : tables) {
+      PackTableView v;
+      v.items = t.size();
+      v.reading_user = items_.data() + i;
+      backend.copy(items_.data() + i, t.reading_user.data(), t.size() * sizeof(PackItem), stream);
+      i += t.size();
+      v.reading_bucket = items_.data() + i;
+      backend.copy(items_.data() + i, t.reading_bucket.data(), t.size() * sizeof(PackItem), stream);
+      i += t.size();
+      v.tensors = tensors_.data() + k;
+      backend.copy(tensors_.data() + k, t.tensors.data(), t.tensors.size() * sizeof(PackTensor), stream);
+      k += t.tensors.size();
+      views_.push_back(v);
+    }
+  }
+  const PackTableView& operator[](std::size_t b) const { return views_[b]; }
+  std::size_t size() const { return views_.size(); }
+  std::size_t bytes() const { return items_.bytes() + tensors_.bytes(); }
+
+ private:
+  typename Backend::template Buffer<PackItem> items_;
+  typename Backend::template Buffer<PackTensor> tensors_;
+  std::vector<PackTableView> views_;
+};
 
 /// The body of a pack or unpack launch over one bucket.
 template <class UserT, class BucketT, PackDirection Direction, WriteMode Mode = WriteMode::assign>

@@ -30,4 +30,25 @@ struct SumSquaresBody {
   }
 };
 
+/// *out = sum over g of (sum over k of terms[g * per_group + k]), each sum from 0 in index order: how a global
+/// norm's per-(rank, bucket) terms are combined, on the device as on the host. One item; lane 0 does it all
+/// (a few hundred additions: cheaper than a round trip to the host).
+struct OrderedSumBody {
+  const double* terms = nullptr;
+  std::size_t groups = 0;
+  std::size_t per_group = 0;
+  double* out = nullptr;
+
+  TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
+    if (lane != 0) return;
+    double total = 0.0;
+    for (std::size_t g = 0; g < groups; ++g) {
+      double group = 0.0;
+      for (std::size_t k = 0; k < per_group; ++k) group += terms[g * per_group + k];
+      total += group;
+    }
+    *out = total;
+  }
+};
+
 }  // namespace tandem

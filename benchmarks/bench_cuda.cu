@@ -1,0 +1,208 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU benchmarks: pack and unpack of whole layouts (one launch per bucket, tables resident in device memory) and
+// the AdamW shard update, each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the
+// time of a device-to-device cudaMemcpyAsync moving the same traffic, measured in the same run, over the kernel's
+// time (1.0 = as fast as a copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issue #3):
+// pack/unpack x_copy >= 0.9 on GPT-2, AdamW x_copy >= 0.85. Without a GPU it prints a line and exits 0.
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+#include "tandem/backend/cuda.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/pack.hpp"
+
+namespace {
+
+using tandem::PackDirection;
+
+/// Device bytes, freed at exit.
+struct DeviceBytes {
+  void* p = nullptr;
+  explicit DeviceBytes(std::size_t bytes) { TANDEM_CUDA_CHECK(cudaMalloc(&p, bytes)); }
+  ~DeviceBytes() { cudaFree(p); }
+  DeviceBytes(const DeviceBytes&) = delete;
+};
+
+/// Seconds per call of f(), averaged over `reps` calls between two events on `stream`.
+template <class F>
+double event_seconds(cudaStream_t stream, int reps, F&& f) {
+  cudaEvent_t a, b;
+  TANDEM_CUDA_CHECK(cudaEventCreate(&a));
+  TANDEM_CUDA_CHECK(cudaEventCreate(&b));
+  TANDEM_CUDA_CHECK(cudaEventRecord(a, stream));
+  for (int i = 0; i < reps; ++i) f();
+  TANDEM_CUDA_CHECK(cudaEventRecord(b, stream));
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms * 1e-3 / reps;
+}
+
+/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by).
+double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes) {
+  DeviceBytes a(bytes), b(bytes);
+  const cudaStream_t s = tandem::detail::native(cuda.stream());
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(a.p, 1, bytes, s));
+  event_seconds(s, 3, [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); });
+  return event_seconds(s, 20,
+                       [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); });
+}
+
+const tandem::CudaBackend& backend() {
+  static const tandem::CudaBackend cuda;
+  return cuda;
+}
+
+/// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
+/// buckets and the resident tables, built once per (layout, types).
+template <class UserT, class BucketT>
+struct PackSetup {
+  std::vector<std::size_t> sizes;
+  tandem::Plan plan;
+  DeviceBytes user, flat;
+  tandem::ResidentPackTables<tandem::CudaBackend> tables;
+
+  explicit PackSetup(const std::string& layout)
+      : sizes(bench::layout(layout)),
+        plan(sizes, options()),
+        user((bench::total(sizes) + 16 * sizes.size()) * sizeof(UserT)),
+        flat(plan.total_size() * sizeof(BucketT)) {
+    std::vector<void*> pointers;
+    std::size_t at = 0;
+    for (std::size_t n : sizes) {
+      pointers.push_back(static_cast<UserT*>(user.p) + at);
+      at += (n + 15) / 16 * 16;
+    }
+    std::vector<tandem::PackTable> host;
+    for (std::size_t b = 0; b < plan.num_buckets(); ++b) host.push_back(tandem::make_pack_table(plan, b, pointers));
+    tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
+    TANDEM_CUDA_CHECK(cudaMemset(user.p, 0, at * sizeof(UserT)));
+    TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0, plan.total_size() * sizeof(BucketT)));
+    backend().synchronize(backend().stream());
+  }
+  static tandem::PlanOptions options() {
+    tandem::PlanOptions o;
+    o.alignment_elements = 16 / std::min(sizeof(UserT), sizeof(BucketT));
+    o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
+    return o;
+  }
+  static PackSetup& get(const std::string& layout) {
+    static std::map<std::string, std::unique_ptr<PackSetup>> cache;
+    auto& p = cache[layout];
+    if (!p) p = std::make_unique<PackSetup>(layout);
+    return *p;
+  }
+};
+
+template <class UserT, class BucketT, PackDirection Direction>
+void BM_pack(benchmark::State& state, const std::string& layout) {
+  auto& s = PackSetup<UserT, BucketT>::get(layout);
+  const tandem::CudaBackend& cuda = backend();
+  const cudaStream_t stream = tandem::detail::native(cuda.stream());
+  auto one_pass = [&] {
+    for (std::size_t b = 0; b < s.plan.num_buckets(); ++b) {
+      const tandem::PackTableView& t = s.tables[b];
+      auto* bucket = static_cast<BucketT*>(s.flat.p) + s.plan.bucket(b).offset;
+      const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
+      cuda.launch(t.items, tandem::PackBody<UserT, BucketT, Direction>{items, t.tensors, bucket, 1.0f}, cuda.stream());
+    }
+  };
+  one_pass();  // warm up
+  double total = 0;
+  for (auto _ : state) {
+    const double t = event_seconds(stream, 1, one_pass);
+    state.SetIterationTime(t);
+    total += t;
+  }
+  const std::size_t n = bench::total(s.sizes);
+  const std::size_t src = Direction == PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
+  const std::size_t dst = Direction == PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
+  const std::size_t traffic = n * (src + dst);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+  state.counters["launches"] = static_cast<double>(s.plan.num_buckets());
+}
+
+template <class P>
+void BM_adamw(benchmark::State& state) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  DeviceBytes master(n * 4), grad(n * 4), s0(n * 4), s1(n * 4), param(n * sizeof(P));
+  for (void* p : {master.p, grad.p, s0.p, s1.p}) TANDEM_CUDA_CHECK(cudaMemset(p, 0, n * 4));
+  tandem::UpdateArgs<P> a;
+  a.master = static_cast<float*>(master.p);
+  a.param = std::is_same_v<P, float> ? reinterpret_cast<P*>(master.p) : static_cast<P*>(param.p);
+  a.grad = static_cast<const float*>(grad.p);
+  a.state[0] = static_cast<float*>(s0.p);
+  a.state[1] = static_cast<float*>(s1.p);
+  a.n = n;
+  const tandem::CudaBackend& cuda = backend();
+  const cudaStream_t stream = tandem::detail::native(cuda.stream());
+  std::uint64_t t = 0;
+  auto update = [&] {
+    cuda.launch(tandem::update_items(n), tandem::AdamW::Body<P>{a, tandem::AdamW::scalars({}, ++t)}, cuda.stream());
+  };
+  update();
+  double total = 0;
+  for (auto _ : state) {
+    const double s = event_seconds(stream, 1, update);
+    state.SetIterationTime(s);
+    total += s;
+  }
+  // read grad, master, m, v; write master, m, v (and the 16-bit param)
+  const std::size_t traffic = n * (4 + 4 + 16 + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P)));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+}
+
+void register_all() {
+  for (const char* name : {"gpt2", "10000x1KB"}) {
+    const std::string l = name;
+    benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l).c_str(), BM_pack<float, float, PackDirection::to_bucket>,
+                                 l)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l).c_str(),
+                                 BM_pack<float, float, PackDirection::from_bucket>, l)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("cuda_pack/bf16->fp32/" + l).c_str(),
+                                 BM_pack<tandem::BFloat16, float, PackDirection::to_bucket>, l)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  benchmark::RegisterBenchmark("cuda_adamw/fp32", BM_adamw<float>)
+      ->RangeMultiplier(16)
+      ->Range(1 << 20, 1 << 28)
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("cuda_adamw/bf16", BM_adamw<tandem::BFloat16>)
+      ->RangeMultiplier(16)
+      ->Range(1 << 20, 1 << 28)
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("bench_cuda: no CUDA device, nothing to measure\n");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

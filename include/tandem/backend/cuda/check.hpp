@@ -1,0 +1,46 @@
+// SPDX-License-Identifier: Apache-2.0
+// TANDEM_CUDA_CHECK(call): evaluates a CUDA runtime call once; on failure clears CUDA's sticky last error and
+// throws tandem::cuda_error carrying the status, its name, the call text, file:line and the rank.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <string>
+
+#include "tandem/core/error.hpp"
+
+namespace tandem::detail {
+
+/// Throws tandem::cuda_error for a failed CUDA call. cudaGetLastError() resets the per-thread error state, so a
+/// later, unrelated check does not report this failure again.
+[[noreturn]] inline void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
+  (void)cudaGetLastError();
+  throw cuda_error(describe_failure("CUDA", static_cast<int>(status), cudaGetErrorName(status), call, file, line) +
+                   ": " + cudaGetErrorString(status));
+}
+
+/// For destructors, which never throw: logs a failed call to stderr instead.
+inline void log_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
+  (void)cudaGetLastError();
+  const std::string what =
+      describe_failure("CUDA", static_cast<int>(status), cudaGetErrorName(status), call, file, line);
+  std::fprintf(stderr, "%s (ignored in a destructor)\n", what.c_str());
+}
+
+}  // namespace tandem::detail
+
+#define TANDEM_CUDA_CHECK(call)                                                           \
+  do {                                                                                    \
+    const cudaError_t tandem_cuda_status_ = (call);                                       \
+    if (tandem_cuda_status_ != cudaSuccess)                                               \
+      ::tandem::detail::throw_cuda_error(tandem_cuda_status_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+/// TANDEM_CUDA_CHECK for destructors: logs instead of throwing.
+#define TANDEM_CUDA_LOG(call)                                                           \
+  do {                                                                                  \
+    const cudaError_t tandem_cuda_status_ = (call);                                     \
+    if (tandem_cuda_status_ != cudaSuccess)                                             \
+      ::tandem::detail::log_cuda_error(tandem_cuda_status_, #call, __FILE__, __LINE__); \
+  } while (0)

@@ -1,0 +1,190 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA pack/unpack launches, emulated exactly on the host. For each bucket the CUDA backend launches
+// PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp); block b runs
+// items b, b + grid, ... and its threads are the lanes. The item tables it reads are the ResidentPackTables
+// copied into backend memory at plan time. Here the same function computes the shape, the same tables are built
+// and copied (into host memory), and every (block, item, thread) of the launch runs the real body, for the
+// GPT-2-124M tensor list, 10,000 tensors of 1 KB, and odd sizes at misaligned user pointers; outputs are
+// poisoned first and every element is checked against a plain loop.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../benchmarks/scaling/scaling_model.hpp"
+#include "tandem/backend/host.hpp"
+#include "tandem/backend/launch.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/kernels/pack.hpp"
+
+namespace {
+
+using tandem::BFloat16;
+using tandem::PackDirection;
+
+// One launch as the CUDA backend issues it, run lane by lane: grid blocks, each visiting its items (grid-stride),
+// each item done by all block_threads lanes.
+template <class Body>
+void emulate_cuda_launch(std::size_t items, const Body& body) {
+  const tandem::LaunchShape shape = tandem::launch_shape(items);  // what CudaBackend::launch computes
+  REQUIRE(shape.block == tandem::block_threads);
+  REQUIRE(shape.grid == std::min<std::size_t>(items, tandem::max_grid_blocks));
+  for (unsigned b = 0; b < shape.grid; ++b)
+    tandem::for_each_item_of_block(b, shape.grid, items, [&](std::size_t item) {
+      for (unsigned t = 0; t < shape.block; ++t) body(item, t, shape.block);
+    });
+}
+
+template <class T>
+bool same_bits(T a, T b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+// A kernel argument that does not grow with the tensor count: no kernel-parameter limit can apply.
+static_assert(sizeof(tandem::PackBody<float, float, PackDirection::to_bucket>) <= 48);
+static_assert(sizeof(tandem::PackBody<BFloat16, float, PackDirection::to_bucket, tandem::WriteMode::accumulate>) <= 48);
+
+// The item table of one bucket covers each tensor exactly once, in chunks of at most pack_chunk_elements:
+// a tensor gets ceil(numel / chunk) blocks, in proportion to its bytes.
+void check_items(const tandem::PackTable& t) {
+  for (const auto* items : {&t.reading_user, &t.reading_bucket}) {
+    std::vector<std::size_t> covered(t.tensors.size(), 0), count(t.tensors.size(), 0);
+    for (const tandem::PackItem& it : *items) {
+      REQUIRE(it.tensor < t.tensors.size());
+      REQUIRE(it.begin == covered[it.tensor]);  // ascending, no gap, no overlap
+      REQUIRE(it.count > 0);
+      REQUIRE(it.count <= tandem::pack_chunk_elements);
+      covered[it.tensor] += it.count;
+      ++count[it.tensor];
+    }
+    for (std::size_t k = 0; k < t.tensors.size(); ++k) {
+      REQUIRE(covered[k] == t.tensors[k].numel);
+      REQUIRE(count[k] == (t.tensors[k].numel + tandem::pack_chunk_elements - 1) / tandem::pack_chunk_elements);
+    }
+  }
+}
+
+// Packs every bucket of `sizes` (user tensors at `misalign` elements off 16-byte alignment) and unpacks it back,
+// each in one emulated CUDA launch per bucket, checking every element.
+template <class UserT, class BucketT>
+void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& misalign, int world) {
+  tandem::PlanOptions o;  // the default caps: a 1 MB first bucket, 25 MB after
+  o.world_size = world;
+  o.bucket_element_bytes = 4;
+  o.alignment_elements = 16 / std::min(sizeof(UserT), sizeof(BucketT));
+  o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
+  const tandem::Plan plan(sizes, o);
+  const tandem::HostBackend backend;
+  const float scale = 0.5f;
+  std::size_t launches = 0;
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+    CAPTURE(b);
+    const tandem::Bucket& bucket = plan.bucket(b);
+    // This bucket's user tensors, in one arena, each at its misalignment (values exact in bf16 and fp16).
+    std::vector<std::size_t> at(sizes.size(), 0);
+    std::size_t arena_elems = 0;
+    for (std::size_t i : bucket.tensors) {
+      arena_elems = (arena_elems + 16) / 16 * 16 + misalign[i];
+      at[i] = arena_elems;
+      arena_elems += sizes[i];
+    }
+    tandem::HostBuffer<UserT> arena(arena_elems + 16);
+    std::vector<void*> pointers(sizes.size(), nullptr);
+    for (std::size_t i : bucket.tensors) {
+      pointers[i] = arena.data() + at[i];
+      for (std::size_t e = 0; e < sizes[i]; ++e)
+        arena.data()[at[i] + e] = UserT(static_cast<float>(static_cast<int>((e * 31 + i * 7) % 255) - 127) / 64.0f);
+    }
+    const tandem::PackTable table = tandem::make_pack_table(plan, b, pointers);
+    check_items(table);
+    const tandem::ResidentPackTables<tandem::HostBackend> resident(backend, {table}, {});
+    const tandem::PackTableView& t = resident[0];
+    REQUIRE(t.items == table.size());
+
+    // pack: one launch; the bucket is poisoned first, gaps and padding must stay poisoned.
+    tandem::HostBuffer<BucketT> flat(bucket.size);
+    const BucketT poison = BucketT(std::nanf(""));
+    std::fill(flat.data(), flat.data() + bucket.size, poison);
+    emulate_cuda_launch(t.items, tandem::PackBody<UserT, BucketT, PackDirection::to_bucket>{t.reading_user, t.tensors,
+                                                                                            flat.data(), scale});
+    ++launches;
+    std::vector<char> covered(bucket.size, 0);
+    for (std::size_t i : bucket.tensors) {
+      const std::size_t off = plan.placement(i).offset;
+      for (std::size_t e = 0; e < sizes[i]; ++e) {
+        const BucketT want = BucketT(scale * static_cast<float>(arena.data()[at[i] + e]));
+        if (!same_bits(flat.data()[off + e], want)) FAIL("pack: tensor " << i << " element " << e);
+        covered[off + e] = 1;
+      }
+    }
+    for (std::size_t e = 0; e < bucket.size; ++e)
+      if (!covered[e] && !same_bits(flat.data()[e], poison)) FAIL("pack wrote outside the tensors at " << e);
+
+    // unpack: one launch into poisoned user buffers (the arena's gaps must stay poisoned too).
+    const UserT user_poison = UserT(std::nanf(""));
+    std::fill(arena.data(), arena.data() + arena.size(), user_poison);
+    emulate_cuda_launch(t.items, tandem::PackBody<UserT, BucketT, PackDirection::from_bucket>{
+                                     t.reading_bucket, t.tensors, flat.data(), 1.0f});
+    ++launches;
+    std::vector<char> written(arena.size(), 0);
+    for (std::size_t i : bucket.tensors) {
+      const std::size_t off = plan.placement(i).offset;
+      for (std::size_t e = 0; e < sizes[i]; ++e) {
+        const UserT want = UserT(static_cast<float>(flat.data()[off + e]));
+        if (!same_bits(arena.data()[at[i] + e], want)) FAIL("unpack: tensor " << i << " element " << e);
+        written[at[i] + e] = 1;
+      }
+    }
+    for (std::size_t e = 0; e < arena.size(); ++e)
+      if (!written[e] && !same_bits(arena.data()[e], user_poison)) FAIL("unpack wrote outside the tensors at " << e);
+  }
+  CHECK(launches == 2 * plan.num_buckets());  // one pack and one unpack launch per bucket, whatever the count
+}
+
+std::vector<std::size_t> gpt2_sizes() {
+  std::vector<std::size_t> sizes;
+  for (const auto& t : tandem::scaling::load_tensor_list(TANDEM_TEST_DATA_DIR "/gpt2_124m.tsv", "gpt2").tensors)
+    sizes.push_back(t.numel);
+  return sizes;
+}
+
+}  // namespace
+
+TEST_CASE("emulated CUDA launches: the GPT-2-124M tensor list, fp32, world size 4") {
+  const std::vector<std::size_t> sizes = gpt2_sizes();
+  REQUIRE(sizes.size() == 148);
+  check_layout<float, float>(sizes, std::vector<std::size_t>(sizes.size(), 0), 4);
+}
+
+TEST_CASE("emulated CUDA launches: 10,000 tensors of 1 KB, fp32 and bf16 into fp32 buckets") {
+  const std::vector<std::size_t> sizes(10000, 256);
+  check_layout<float, float>(sizes, std::vector<std::size_t>(sizes.size(), 0), 2);
+  check_layout<BFloat16, float>(sizes, std::vector<std::size_t>(sizes.size(), 0), 3);
+}
+
+TEST_CASE("emulated CUDA launches: odd sizes at misaligned user pointers, every dtype pair") {
+  std::mt19937 rng(2024);
+  for (int trial = 0; trial < 12; ++trial) {
+    CAPTURE(trial);
+    std::vector<std::size_t> sizes, misalign;
+    const int n = std::uniform_int_distribution<int>(1, 300)(rng);
+    for (int i = 0; i < n; ++i) {
+      const int kind = std::uniform_int_distribution<int>(0, 9)(rng);
+      sizes.push_back(kind == 0   ? 0
+                      : kind == 1 ? std::uniform_int_distribution<std::size_t>(1, 7)(rng)
+                      : kind == 2 ? std::uniform_int_distribution<std::size_t>(4095, 70000)(rng)
+                                  : std::uniform_int_distribution<std::size_t>(8, 3000)(rng));
+      misalign.push_back(std::uniform_int_distribution<std::size_t>(0, 7)(rng));
+    }
+    const int world = std::uniform_int_distribution<int>(1, 5)(rng);
+    check_layout<float, float>(sizes, misalign, world);
+    check_layout<BFloat16, float>(sizes, misalign, world);
+    check_layout<tandem::Float16, float>(sizes, misalign, world);
+    check_layout<float, BFloat16>(sizes, misalign, world);
+    check_layout<BFloat16, BFloat16>(sizes, misalign, world);
+  }
+}
