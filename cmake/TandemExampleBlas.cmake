@@ -12,6 +12,19 @@ if(BLAS_FOUND AND TANDEM_CBLAS_INCLUDE_DIR)
   add_library(tandem_example_blas INTERFACE)
   target_link_libraries(tandem_example_blas INTERFACE ${BLAS_LIBRARIES})
   target_include_directories(tandem_example_blas SYSTEM INTERFACE "${TANDEM_CBLAS_INCLUDE_DIR}")
+  # The model's row loops (exp, GELU, softmax) vectorize only when FP comparisons may be if-converted (no trapping
+  # math) and with -O3's vectorizer at every build type; nothing here reads floating-point exception flags. The
+  # example is built to run where it is built, so it uses the machine's vector width (AVX2 and FMA where present, as
+  # PyTorch and OpenBLAS pick at run time); TANDEM_EXAMPLE_NATIVE=OFF builds a portable binary.
+  option(TANDEM_EXAMPLE_NATIVE "Build the tiny transformer for this machine's CPU (-march=native)" ON)
+  target_compile_options(tandem_example_blas INTERFACE "$<$<CXX_COMPILER_ID:GNU,Clang>:-O3;-fno-trapping-math>")
+  if(TANDEM_EXAMPLE_NATIVE)
+    include(CheckCXXCompilerFlag)
+    check_cxx_compiler_flag(-march=native TANDEM_HAVE_MARCH_NATIVE)
+    if(TANDEM_HAVE_MARCH_NATIVE)
+      target_compile_options(tandem_example_blas INTERFACE -march=native)
+    endif()
+  endif()
   include(CheckCXXSymbolExists)
   include(CMakePushCheckState)
   cmake_push_check_state(RESET)

@@ -136,10 +136,10 @@ tiny::ModelConfig small_config() {
   return {.vocab = 7, .context = 6, .width = 8, .layers = 2, .heads = 2, .mlp_ratio = 2};
 }
 
-struct SmallBatch {
-  int batch = 3, len = 5;
+struct Batch {
+  int batch, len;
   std::vector<int> tokens, targets;
-  explicit SmallBatch(std::uint64_t seed, int vocab) {
+  Batch(int batch_, int len_, std::uint64_t seed, int vocab) : batch(batch_), len(len_) {
     std::mt19937_64 rng(seed);
     for (int i = 0; i < batch * len; ++i) {
       tokens.push_back(static_cast<int>(rng() % vocab));
@@ -148,15 +148,12 @@ struct SmallBatch {
   }
 };
 
-}  // namespace
-
-TEST_CASE("whole model: every parameter's gradient equals finite differences (double)") {
-  tiny::Transformer<double> model(small_config(), 3);
+/// Every parameter's analytic gradient against a central difference of the mean loss.
+void check_every_parameter(tiny::Transformer<double>& model, const Batch& data) {
   // Larger weights than GPT-2's init, so that attention is far from uniform and every path carries signal.
   std::mt19937_64 rng(5);
   std::normal_distribution<double> normal(0.0, 0.3);
   for (double& p : model.parameters()) p += normal(rng);
-  const SmallBatch data(9, 7);
 
   model.forward(data.tokens.data(), data.targets.data(), data.batch, data.len, tiny::Pass::train);
   std::vector<double>& grads = model.gradients();
@@ -183,9 +180,26 @@ TEST_CASE("whole model: every parameter's gradient equals finite differences (do
   }
   CHECK(checked == model.num_parameters());
   MESSAGE("max |analytic - numeric| over " << checked << " parameters: " << worst);
-  // The rows without a target contribute nothing: the wpe rows of unused positions (len 5 < context 6) are 0.
-  const std::size_t wpe_begin = model.param(1) - params.data();
-  for (std::size_t i = wpe_begin + 5 * 8; i < wpe_begin + 6 * 8; ++i) CHECK(analytic[i] == 0.0);
+  // Positions past the batch's length are never used: their position embeddings get no gradient.
+  const std::size_t width = std::size_t(model.config().width), wpe_begin = model.param(1) - params.data();
+  for (std::size_t i = wpe_begin + std::size_t(data.len) * width; i < wpe_begin + model.config().context * width; ++i)
+    CHECK(analytic[i] == 0.0);
+}
+
+}  // namespace
+
+TEST_CASE("whole model: every parameter's gradient equals finite differences (double)") {
+  SUBCASE("short sequences: one block of attention rows") {
+    tiny::Transformer<double> model(small_config(), 3);
+    check_every_parameter(model, Batch(3, 5, 9, 7));
+  }
+  SUBCASE("long sequences: several blocks of attention rows, the last one partial") {
+    tiny::ModelConfig cfg = small_config();
+    cfg.context = 150;
+    cfg.layers = 1;
+    tiny::Transformer<double> model(cfg, 4);
+    check_every_parameter(model, Batch(1, 141, 10, 7));
+  }
 }
 
 TEST_CASE("the float model (fast exp, float BLAS) tracks the double model") {

@@ -387,31 +387,40 @@ class Transformer {
 
   // Causal self-attention, one (sequence, head) at a time: S = Q K^T / sqrt(D), P = causal softmax(S),
   // O = P V. Q, K, V are L x D column blocks of qkv (leading dimension 3C); O a column block of att.
+  // Causality makes P lower triangular, so the products run over blocks of `attention_block` query rows,
+  // each against the keys it can see only: about half the multiply-adds of the full L x L products.
+  static constexpr int attention_block = 64;
+
   void attention_forward(int l, const T* qkv, T* att) {
-    const int c = cfg_.width, hn = cfg_.heads, d = c / hn, len = len_;
+    const int c = cfg_.width, hn = cfg_.heads, d = c / hn, len = len_, ld = 3 * c;
     const T scale = T(1) / std::sqrt(T(d));
     for (int b = 0; b < batch_; ++b)
       for (int hh = 0; hh < hn; ++hh) {
-        const T* q = qkv + std::size_t(b) * len * 3 * c + std::size_t(hh) * d;
+        const T* q = qkv + std::size_t(b) * len * ld + std::size_t(hh) * d;
         const T* k = q + c;
         const T* v = q + 2 * c;
         T* p = probs(l, b, hh);
-        gemm(Trans::no, Trans::yes, len, len, d, scale, q, 3 * c, k, 3 * c, T(0), p, len);
-        for (int i = 0; i < len; ++i) causal_softmax_row(p + std::size_t(i) * len, i + 1, len);
         T* o = att + std::size_t(b) * len * c + std::size_t(hh) * d;
-        gemm(Trans::no, Trans::no, len, d, len, T(1), p, len, v, 3 * c, T(0), o, c);
+        for (int r0 = 0; r0 < len; r0 += attention_block) {  // query rows [r0, r1) see keys [0, r1)
+          const int r1 = std::min(len, r0 + attention_block);
+          T* pr = p + std::size_t(r0) * len;
+          gemm(Trans::no, Trans::yes, r1 - r0, r1, d, scale, q + std::size_t(r0) * ld, ld, k, ld, T(0), pr, len);
+          for (int i = r0; i < r1; ++i) causal_softmax_row(p + std::size_t(i) * len, i + 1, len);
+          gemm(Trans::no, Trans::no, r1 - r0, d, r1, T(1), pr, len, v, ld, T(0), o + std::size_t(r0) * c, c);
+        }
       }
   }
 
-  // Backward of attention_forward: dP = dO V^T, dV = P^T dO, dS = softmax backward, dQ = dS K / sqrt(D),
-  // dK = dS^T Q / sqrt(D). dqkv is overwritten.
+  // Backward of attention_forward: dP = dO V^T, dS = softmax backward, dQ = dS K / sqrt(D) by blocks of query
+  // rows; dV = P^T dO and dK = dS^T Q / sqrt(D) by blocks of key rows (key j is seen by queries j..L-1).
+  // dqkv is overwritten.
   void attention_backward(int l, const T* qkv, const T* datt, T* dqkv) {
-    const int c = cfg_.width, hn = cfg_.heads, d = c / hn, len = len_;
+    const int c = cfg_.width, hn = cfg_.heads, d = c / hn, len = len_, ld = 3 * c;
     const T scale = T(1) / std::sqrt(T(d));
     T* dp = act_.dprobs.data();
     for (int b = 0; b < batch_; ++b)
       for (int hh = 0; hh < hn; ++hh) {
-        const std::size_t base = std::size_t(b) * len * 3 * c + std::size_t(hh) * d;
+        const std::size_t base = std::size_t(b) * len * ld + std::size_t(hh) * d;
         const T* q = qkv + base;
         const T* k = q + c;
         const T* v = q + 2 * c;
@@ -420,12 +429,22 @@ class Transformer {
         T* dv = dq + 2 * c;
         const T* p = probs(l, b, hh);
         const T* dout = datt + std::size_t(b) * len * c + std::size_t(hh) * d;
-        gemm(Trans::no, Trans::yes, len, len, d, T(1), dout, c, v, 3 * c, T(0), dp, len);
-        gemm(Trans::yes, Trans::no, len, d, len, T(1), p, len, dout, c, T(0), dv, 3 * c);
-        for (int i = 0; i < len; ++i)
-          causal_softmax_row_backward(p + std::size_t(i) * len, dp + std::size_t(i) * len, i + 1, len);
-        gemm(Trans::no, Trans::no, len, d, len, scale, dp, len, k, 3 * c, T(0), dq, 3 * c);
-        gemm(Trans::yes, Trans::no, len, d, len, scale, dp, len, q, 3 * c, T(0), dk, 3 * c);
+        for (int r0 = 0; r0 < len; r0 += attention_block) {  // query rows [r0, r1), keys [0, r1)
+          const int r1 = std::min(len, r0 + attention_block);
+          T* dpr = dp + std::size_t(r0) * len;
+          gemm(Trans::no, Trans::yes, r1 - r0, r1, d, T(1), dout + std::size_t(r0) * c, c, v, ld, T(0), dpr, len);
+          for (int i = r0; i < r1; ++i)
+            causal_softmax_row_backward(p + std::size_t(i) * len, dp + std::size_t(i) * len, i + 1, len);
+          gemm(Trans::no, Trans::no, r1 - r0, d, r1, scale, dpr, len, k, ld, T(0), dq + std::size_t(r0) * ld, ld);
+        }
+        for (int c0 = 0; c0 < len; c0 += attention_block) {  // key rows [c0, c1), seen by queries [c0, L)
+          const int c1 = std::min(len, c0 + attention_block);
+          const std::size_t corner = std::size_t(c0) * len + c0;
+          gemm(Trans::yes, Trans::no, c1 - c0, d, len - c0, T(1), p + corner, len, dout + std::size_t(c0) * c, c, T(0),
+               dv + std::size_t(c0) * ld, ld);
+          gemm(Trans::yes, Trans::no, c1 - c0, d, len - c0, scale, dp + corner, len, q + std::size_t(c0) * ld, ld, T(0),
+               dk + std::size_t(c0) * ld, ld);
+        }
       }
   }
 

@@ -46,6 +46,39 @@ TANDEM_HD inline T tanh_approx(T y) {
   return T(1) - T(2) / (exp_approx(T(2) * y) + T(1));
 }
 
+// --- Row reductions
+// ---------------------------------------------------------------------------------------------------- Eight
+// interleaved partial results, combined at the end: a fixed order (so results do not depend on the compiler) that
+// compilers turn into vector code, where one running sum would be a serial chain.
+
+inline constexpr int reduction_lanes = 8;
+
+/// sum over j < n of f(j)
+template <class T, class F>
+TANDEM_HD inline T row_sum(int n, F&& f) {
+  T lane[reduction_lanes] = {};
+  int j = 0;
+  for (; j + reduction_lanes <= n; j += reduction_lanes)
+    for (int k = 0; k < reduction_lanes; ++k) lane[k] += f(j + k);
+  for (int k = 0; j + k < n; ++k) lane[k] += f(j + k);
+  T total = 0;
+  for (int k = 0; k < reduction_lanes; ++k) total += lane[k];
+  return total;
+}
+
+template <class T>
+TANDEM_HD inline T row_max(const T* x, int n) {
+  T lane[reduction_lanes];
+  for (int k = 0; k < reduction_lanes; ++k) lane[k] = x[0];
+  int j = 0;
+  for (; j + reduction_lanes <= n; j += reduction_lanes)
+    for (int k = 0; k < reduction_lanes; ++k) lane[k] = x[j + k] > lane[k] ? x[j + k] : lane[k];
+  for (int k = 0; j + k < n; ++k) lane[k] = x[j + k] > lane[k] ? x[j + k] : lane[k];
+  T max = lane[0];
+  for (int k = 1; k < reduction_lanes; ++k) max = lane[k] > max ? lane[k] : max;
+  return max;
+}
+
 // --- GELU (the tanh form of GPT-2 and of PyTorch's nn.GELU(approximate="tanh")) -----------------------------------
 //   g(x) = x/2 (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //   g'(x) = (1 + tanh(u))/2 + x/2 (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
@@ -73,12 +106,9 @@ inline constexpr double layernorm_eps = 1e-5;
 
 template <class T>
 TANDEM_HD inline void layernorm_row(const T* x, const T* w, const T* b, T* y, T* mean_out, T* rstd_out, int c) {
-  T sum = 0;
-  for (int i = 0; i < c; ++i) sum += x[i];
-  const T mean = sum / T(c);
-  T var = 0;
-  for (int i = 0; i < c; ++i) var += (x[i] - mean) * (x[i] - mean);
-  const T rstd = T(1) / std::sqrt(var / T(c) + T(layernorm_eps));
+  const T mean = row_sum<T>(c, [&](int i) { return x[i]; }) / T(c);
+  const T var = row_sum<T>(c, [&](int i) { return (x[i] - mean) * (x[i] - mean); }) / T(c);
+  const T rstd = T(1) / std::sqrt(var + T(layernorm_eps));
   for (int i = 0; i < c; ++i) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
   *mean_out = mean;
   *rstd_out = rstd;
@@ -89,16 +119,12 @@ TANDEM_HD inline void layernorm_row(const T* x, const T* w, const T* b, T* y, T*
 template <class T>
 TANDEM_HD inline void layernorm_row_backward(const T* dy, const T* x, const T* w, T mean, T rstd, T* dx, T* dw, T* db,
                                              int c) {
-  T sum_dxhat = 0, sum_dxhat_xhat = 0;
+  const T m1 = row_sum<T>(c, [&](int i) { return dy[i] * w[i]; }) / T(c);
+  const T m2 = row_sum<T>(c, [&](int i) { return dy[i] * w[i] * ((x[i] - mean) * rstd); }) / T(c);
   for (int i = 0; i < c; ++i) {
-    const T xhat = (x[i] - mean) * rstd;
-    const T dxhat = dy[i] * w[i];
-    sum_dxhat += dxhat;
-    sum_dxhat_xhat += dxhat * xhat;
-    dw[i] += dy[i] * xhat;
+    dw[i] += dy[i] * ((x[i] - mean) * rstd);
     db[i] += dy[i];
   }
-  const T m1 = sum_dxhat / T(c), m2 = sum_dxhat_xhat / T(c);
   for (int i = 0; i < c; ++i) {
     const T xhat = (x[i] - mean) * rstd;
     dx[i] += rstd * (dy[i] * w[i] - m1 - xhat * m2);
@@ -111,14 +137,9 @@ TANDEM_HD inline void layernorm_row_backward(const T* dy, const T* x, const T* w
 
 template <class T>
 TANDEM_HD inline void causal_softmax_row(T* p, int seen, int len_total) {
-  T max = p[0];
-  for (int j = 1; j < seen; ++j) max = p[j] > max ? p[j] : max;
-  T sum = 0;
-  for (int j = 0; j < seen; ++j) {
-    p[j] = exp_approx(p[j] - max);
-    sum += p[j];
-  }
-  const T inv = T(1) / sum;
+  const T max = row_max(p, seen);
+  for (int j = 0; j < seen; ++j) p[j] = exp_approx(p[j] - max);
+  const T inv = T(1) / row_sum<T>(seen, [&](int j) { return p[j]; });
   for (int j = 0; j < seen; ++j) p[j] *= inv;
   for (int j = seen; j < len_total; ++j) p[j] = 0;
 }
@@ -126,8 +147,7 @@ TANDEM_HD inline void causal_softmax_row(T* p, int seen, int len_total) {
 /// In place: dp (the gradient of p) becomes the gradient of the scores, ds_j = p_j (dp_j - sum_k p_k dp_k).
 template <class T>
 TANDEM_HD inline void causal_softmax_row_backward(const T* p, T* dp, int seen, int len_total) {
-  T dot = 0;
-  for (int j = 0; j < seen; ++j) dot += p[j] * dp[j];
+  const T dot = row_sum<T>(seen, [&](int j) { return p[j] * dp[j]; });
   for (int j = 0; j < seen; ++j) dp[j] = p[j] * (dp[j] - dot);
   for (int j = seen; j < len_total; ++j) dp[j] = 0;
 }
@@ -147,8 +167,7 @@ TANDEM_HD inline CrossEntropyRow cross_entropy_row(T* logits, int target, int v,
   int arg = 0;
   for (int j = 1; j < v; ++j)
     if (logits[j] > max) max = logits[j], arg = j;
-  T sum = 0;
-  for (int j = 0; j < v; ++j) sum += exp_approx(logits[j] - max);
+  const T sum = row_sum<T>(v, [&](int j) { return exp_approx(logits[j] - max); });
   CrossEntropyRow out;
   out.loss = static_cast<double>(std::log(sum) - (logits[target] - max));
   out.correct = arg == target;
