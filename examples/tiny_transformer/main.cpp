@@ -12,6 +12,13 @@
 
 #include "train.hpp"
 
+#if defined(TINY_HAVE_MPI)
+#include <mpi.h>
+
+#include "tandem/comm/launch_env.hpp"
+#include "tandem/comm/mpi.hpp"
+#endif
+
 namespace {
 
 /// A progress bar on a terminal (redrawn in place, at most 10 times a second); plain log lines otherwise.
@@ -76,6 +83,26 @@ void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny
         << row.result.eval_accuracy << ',' << row.result.memory_per_rank << '\n';
 }
 
+/// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
+std::uint64_t fingerprint(const std::vector<float>& params) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(params.data());
+  for (std::size_t i = 0; i < params.size() * sizeof(float); ++i) h = (h ^ bytes[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/// Whether this process was started by an MPI launcher as one of several ranks (then each process is one rank).
+bool launched_by_mpi() {
+#if defined(TINY_HAVE_MPI)
+  const tandem::LaunchInfo launch = tandem::detect_launch();
+  const bool mpi = launch.launcher == tandem::Launcher::openmpi || launch.launcher == tandem::Launcher::pmi ||
+                   launch.launcher == tandem::Launcher::slurm;
+  return mpi && launch.world_size > 1;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,7 +125,8 @@ int main(int argc, char** argv) {
       "trains a byte-level language model instead. --compare trains 1 rank, then N ranks under each policy."};
   app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded")
       ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
-  app.add_option("--ranks", ranks, "ranks (threads), N")->check(CLI::Range(1, 256));
+  app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
+      ->check(CLI::Range(1, 256));
   app.add_option("--backend", backend, "host (CPU ranks) or cuda")->check(CLI::IsMember({"host", "cuda"}));
   auto* steps_opt = app.add_option("--steps", cfg.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--epochs", epochs, "train for this many passes over the training set instead of --steps")
@@ -124,7 +152,29 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv_path, "also write the results to this CSV file");
   CLI11_PARSE(app, argc, argv);
 
+#if defined(TINY_HAVE_MPI)
+  // Under mpirun (or srun with MPI), each process is one rank and tandem::Mpi carries the collectives.
+  const bool mpi = launched_by_mpi();
+  if (mpi) MPI_Init(&argc, &argv);
+  struct Finalize {
+    bool on;
+    ~Finalize() {
+      if (on) MPI_Finalize();
+    }
+  } finalize{mpi};
+  int process_rank = 0;
+  if (mpi) MPI_Comm_rank(MPI_COMM_WORLD, &process_rank);
+#else
+  const bool mpi = false;
+  const int process_rank = 0;
+#endif
+  // One report for the job, from rank 0; the other ranks' errors still reach stderr.
+  if (process_rank != 0 && !std::freopen("/dev/null", "w", stdout)) return 2;
+
   try {
+    if (mpi && compare)
+      throw std::invalid_argument(
+          "--compare runs 1 rank and then N ranks as threads of one process; start it without mpirun");
     if (backend == "cuda")
       throw std::invalid_argument(
           "--backend cuda: this example's CUDA path is not built yet (it needs tandem's CUDA backend); use --backend "
@@ -167,10 +217,23 @@ int main(int argc, char** argv) {
       ProgressReporter progress(std::string(n == 1 ? "1 rank" : tiny::policy_name(p)) +
                                 (n == 1 ? "" : " x" + std::to_string(n)));
       progress.tokens_per_step_ = double(cfg.batch) * task.train.len;
-      tiny::TrainResult r = tiny::with_policy(
-          p, [&]<class Policy>() { return tiny::train_local<Policy>(n, cfg, task, std::ref(progress)); });
+      tiny::TrainResult r = tiny::with_policy(p, [&]<class Policy>() {
+#if defined(TINY_HAVE_MPI)
+        if (mpi) {  // this process is one rank of the MPI job
+          tandem::Mpi comm(MPI_COMM_WORLD);
+          return tiny::train_rank<Policy>(comm, cfg, task, std::ref(progress));
+        }
+#endif
+        return tiny::train_local<Policy>(n, cfg, task, std::ref(progress));
+      });
       rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n, std::move(r)});
     };
+#if defined(TINY_HAVE_MPI)
+    if (mpi) {
+      MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+      std::printf("%s: each process is one rank (tandem::Mpi)\n\n", tandem::detect_launch().describe().c_str());
+    }
+#endif
     if (compare) {
       run(tiny::PolicyKind::replicated, 1);
       for (tiny::PolicyKind p :
@@ -191,7 +254,9 @@ int main(int argc, char** argv) {
       std::printf("\n%d ranks vs 1: accuracy within %.2f percentage points, final loss within %.1e relative\n", ranks,
                   100.0 * worst_accuracy, worst_loss);
     }
-    if (!csv_path.empty()) write_csv(csv_path, rows, cfg);
+    std::printf("\ntrained parameters: fingerprint %016llx\n",
+                (unsigned long long)fingerprint(rows.back().result.params));
+    if (!csv_path.empty() && process_rank == 0) write_csv(csv_path, rows, cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tiny_transformer: %s\n", e.what());
     return 2;

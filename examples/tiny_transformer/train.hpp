@@ -130,7 +130,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       for (std::size_t i = 0; i < params16.size(); ++i) model.parameters()[i] = float(params16[i]);
   };
 
-  tandem::DataParallel<Policy, tandem::AdamW> dp(  // tandem: wrap the model's tensors
+  tandem::DataParallel<Policy, tandem::AdamW, tandem::HostBackend, Comm> dp(  // tandem: wrap the model's tensors
       comm, tensors, {.lr = cfg.lr, .weight_decay = cfg.weight_decay},
       {.accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm});
   dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
