@@ -204,7 +204,8 @@ def mpi_section(results, w):
         w("Not measured in this run (no MPI found).")
         w("")
         return
-    _, mpi = load(results, "mpi")
+    with open(path) as f:  # one run per case (fixed iterations, no repetitions): no median aggregates here
+        mpi = {re.sub(r"/iterations:[0-9]+|/manual_time", "", b["name"]): b for b in json.load(f)["benchmarks"]}
     w("## LocalGroup and tandem::Mpi against MPI_Allreduce")
     w("")
     w("`bench_mpi` under `mpiexec -n 2`: fp32 all-reduce, algorithm bandwidth in GB/s, and each row's speed over "
