@@ -16,6 +16,7 @@
 namespace {
 
 using test::as_float;
+using test::bitwise_equal;
 using test::max_relative_error;
 using test::Params;
 
@@ -182,14 +183,6 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
     }
   });
   return result;
-}
-
-bool bitwise_equal(const Params& a, const Params& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
-      return false;
-  return true;
 }
 
 template <class T>

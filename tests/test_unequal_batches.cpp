@@ -6,7 +6,6 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -18,14 +17,6 @@
 namespace {
 
 const tandem::AdamWOptions adamw{.lr = 3e-3f, .weight_decay = 0.05f};
-
-bool bitwise_equal(const test::Params& a, const test::Params& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
-      return false;
-  return true;
-}
 
 }  // namespace
 
@@ -62,7 +53,7 @@ TEST_CASE("all_ranks_have_batch: ranks with 5, 3 and 4 batches all stop after 3 
   for (int r = 0; r < world; ++r) {
     CAPTURE(r);
     CHECK(steps[static_cast<std::size_t>(r)] == 3);
-    CHECK(bitwise_equal(got[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)]));
+    CHECK(test::bitwise_equal(got[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)]));
   }
 }
 

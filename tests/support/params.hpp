@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace test {
@@ -31,6 +32,16 @@ inline double max_relative_error(const Params& a, const Params& ref) {
     worst = std::max(worst, std::sqrt(d / r));
   }
   return worst;
+}
+
+/// Every tensor bit for bit equal, sizes included (empty tensors compare equal without touching their data()).
+inline bool bitwise_equal(const Params& a, const Params& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() ||
+        (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0))
+      return false;
+  return true;
 }
 
 }  // namespace test
