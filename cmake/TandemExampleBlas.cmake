@@ -17,12 +17,13 @@ if(BLAS_FOUND AND TANDEM_CBLAS_INCLUDE_DIR)
   # example is built to run where it is built, so it uses the machine's vector width (AVX2 and FMA where present, as
   # PyTorch and OpenBLAS pick at run time); TANDEM_EXAMPLE_NATIVE=OFF builds a portable binary.
   option(TANDEM_EXAMPLE_NATIVE "Build the tiny transformer for this machine's CPU (-march=native)" ON)
-  target_compile_options(tandem_example_blas INTERFACE "$<$<CXX_COMPILER_ID:GNU,Clang>:-O3;-fno-trapping-math>")
+  # Host compiler flags only: nvcc translation units (the CUDA path) do not take them.
+  target_compile_options(tandem_example_blas INTERFACE "$<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-O3;-fno-trapping-math>")
   if(TANDEM_EXAMPLE_NATIVE)
     include(CheckCXXCompilerFlag)
     check_cxx_compiler_flag(-march=native TANDEM_HAVE_MARCH_NATIVE)
     if(TANDEM_HAVE_MARCH_NATIVE)
-      target_compile_options(tandem_example_blas INTERFACE -march=native)
+      target_compile_options(tandem_example_blas INTERFACE "$<$<COMPILE_LANGUAGE:CXX>:-march=native>")
     endif()
   endif()
   include(CheckCXXSymbolExists)

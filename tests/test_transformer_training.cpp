@@ -6,32 +6,13 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
-#include <set>
 #include <string>
 #include <vector>
 
-#include "../examples/tiny_transformer/train.hpp"
+#include "support/sort_task.hpp"
 
-namespace {
-
-tiny::Task sort_task(int train_examples) {
-  const tiny::SortTask sort{.length = 8, .values = 64};
-  std::set<std::vector<int>> seen;
-  tiny::Examples train = sort.make(std::size_t(train_examples), 1, nullptr, &seen);
-  tiny::Examples eval = sort.make(2048, 1000004, &seen);
-  return {"sort", std::move(train), std::move(eval), sort.vocab(), true};
-}
-
-tiny::TrainConfig sort_config(int steps) {
-  tiny::TrainConfig cfg;
-  cfg.model = {.vocab = 65, .context = 16, .width = 64, .layers = 2, .heads = 4, .mlp_ratio = 4};
-  cfg.steps = steps;
-  cfg.batch = 32;
-  cfg.lr = 3e-3f;
-  return cfg;
-}
-
-}  // namespace
+using test::sort_config;
+using test::sort_task;
 
 TEST_CASE("the default task trains to >= 95% held-out accuracy, the same on 1, 2 and 4 ranks under every policy") {
   const tiny::Task task = sort_task(32 * 600);

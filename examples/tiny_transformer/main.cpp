@@ -10,12 +10,16 @@
 #include <map>
 #include <string>
 
+#include "tandem/comm/launch_env.hpp"
 #include "train.hpp"
+
+#if defined(TINY_HAVE_CUDA)
+#include "cuda_train.hpp"
+#endif
 
 #if defined(TINY_HAVE_MPI)
 #include <mpi.h>
 
-#include "tandem/comm/launch_env.hpp"
 #include "tandem/comm/mpi.hpp"
 #endif
 
@@ -112,7 +116,7 @@ int main(int argc, char** argv) {
   cfg.batch = 32;
   cfg.lr = 3e-3f;
   tiny::SortTask sort;
-  std::string text_path, csv_path, backend = "host";
+  std::string text_path, csv_path, backend;  // backend: "" chooses (cuda when enough GPUs exist, else host)
   int ranks = 2, epochs = 0, context = 128, eval_examples = 2048;
   bool compare = false, bf16 = false;
   tiny::PolicyKind policy = tiny::PolicyKind::replicated;
@@ -121,13 +125,16 @@ int main(int argc, char** argv) {
                                                          {"gradient-sharded", tiny::PolicyKind::gradient_sharded}};
 
   CLI::App app{
-      "Train a tiny transformer with tandem on N host ranks. The default task sorts lists of numbers; --text FILE "
-      "trains a byte-level language model instead. --compare trains 1 rank, then N ranks under each policy."};
+      "Train a tiny transformer with tandem on N ranks (host CPU ranks, or one GPU per rank). The default task sorts "
+      "lists of numbers; --text FILE trains a byte-level language model instead. --compare trains 1 rank, then N "
+      "ranks under each policy."};
   app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded")
       ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
   app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
       ->check(CLI::Range(1, 256));
-  app.add_option("--backend", backend, "host (CPU ranks) or cuda")->check(CLI::IsMember({"host", "cuda"}));
+  app.add_option("--backend", backend,
+                 "host (CPU ranks) or cuda (one GPU per rank); default: cuda where a GPU per rank exists, else host")
+      ->check(CLI::IsMember({"host", "cuda"}));
   auto* steps_opt = app.add_option("--steps", cfg.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--epochs", epochs, "train for this many passes over the training set instead of --steps")
       ->check(CLI::PositiveNumber)
@@ -175,10 +182,27 @@ int main(int argc, char** argv) {
     if (mpi && compare)
       throw std::invalid_argument(
           "--compare runs 1 rank and then N ranks as threads of one process; start it without mpirun");
+#if defined(TINY_HAVE_CUDA)
+    const int gpus = tiny::cuda_device_count();
+#else
+    const int gpus = 0;
+#endif
+    // Under mpirun each process is one rank and needs a GPU of its node; otherwise the ranks share this process.
+    const int gpus_needed = mpi ? tandem::detect_launch().local_size.value_or(ranks) : ranks;
+    if (backend.empty()) {
+      backend = gpus > 0 && gpus >= gpus_needed ? "cuda" : "host";
+      if (gpus > 0 && backend == "host")
+        std::printf("backend: host (%d ranks need %d GPUs, %d visible; --backend cuda --ranks %d trains on GPUs)\n",
+                    ranks, gpus_needed, gpus, gpus);
+    }
+#if defined(TINY_HAVE_CUDA)
+    if (backend == "cuda" && !mpi) tiny::require_gpus(ranks);
+#else
     if (backend == "cuda")
       throw std::invalid_argument(
-          "--backend cuda: this example's CUDA path is not built yet (it needs tandem's CUDA backend); use --backend "
-          "host");
+          "--backend cuda: this build has no CUDA path (it needs nvcc, cuBLAS and NCCL at configure time); use "
+          "--backend host");
+#endif
     cfg.precision = bf16 ? tiny::Precision::bf16 : tiny::Precision::fp32;
     tiny::Task task;
     if (!text_path.empty()) {
@@ -200,7 +224,8 @@ int main(int argc, char** argv) {
       if (per_epoch == 0) throw std::invalid_argument("--batch is larger than the training set");
       cfg.steps = int(per_epoch * std::size_t(epochs));
     }
-    tiny::use_one_blas_thread();
+    const bool cuda = backend == "cuda";
+    if (!cuda) tiny::use_one_blas_thread();
 
     const tiny::Transformer<float> probe(cfg.model, 0);
     std::printf("task: %s (%zu training, %zu held-out examples of %d tokens)\n", task.name.c_str(), task.train.size(),
@@ -208,15 +233,29 @@ int main(int argc, char** argv) {
     std::printf("model: %d layers, width %d, %d heads, MLP %dx, vocab %d: %zu parameters (%s)\n", cfg.model.layers,
                 cfg.model.width, cfg.model.heads, cfg.model.mlp_ratio, cfg.model.vocab, probe.num_parameters(),
                 bf16 ? "bf16, fp32 master" : "fp32");
-    std::printf(
-        "training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, one BLAS thread per rank\n\n",
-        cfg.steps, cfg.batch, cfg.accumulation, double(cfg.lr));
+    std::printf("training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, %s\n\n", cfg.steps,
+                cfg.batch, cfg.accumulation, double(cfg.lr),
+                cuda ? "one GPU per rank (cuBLAS, NCCL)" : "one BLAS thread per CPU rank");
 
     std::vector<Row> rows;
     auto run = [&](tiny::PolicyKind p, int n) {
       ProgressReporter progress(std::string(n == 1 ? "1 rank" : tiny::policy_name(p)) +
                                 (n == 1 ? "" : " x" + std::to_string(n)));
       progress.tokens_per_step_ = double(cfg.batch) * task.train.len;
+#if defined(TINY_HAVE_CUDA)
+      if (cuda) {
+#if defined(TINY_HAVE_MPI)
+        if (mpi) {
+          tandem::Mpi comm(MPI_COMM_WORLD);
+          rows.push_back({tiny::policy_name(p), n, tiny::train_cuda_mpi(p, comm, cfg, task, std::ref(progress))});
+          return;
+        }
+#endif
+        rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n,
+                        tiny::train_cuda(p, n, cfg, task, std::ref(progress))});
+        return;
+      }
+#endif
       tiny::TrainResult r = tiny::with_policy(p, [&]<class Policy>() {
 #if defined(TINY_HAVE_MPI)
         if (mpi) {  // this process is one rank of the MPI job

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -114,19 +115,17 @@ TANDEM_HD inline void layernorm_row(const T* x, const T* w, const T* b, T* y, T*
   *rstd_out = rstd;
 }
 
-/// Backward of layernorm_row: dx += ..., dw += dy * xhat, db += dy (accumulated, so rows can be summed).
+/// Backward of layernorm_row for one row: dx += the input gradient, and dwx = dy * xhat, this row's part of the
+/// weight gradient (the weight and bias gradients sum dwx and dy over the rows: a product with a ones vector).
 ///   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dy * w
 template <class T>
-TANDEM_HD inline void layernorm_row_backward(const T* dy, const T* x, const T* w, T mean, T rstd, T* dx, T* dw, T* db,
+TANDEM_HD inline void layernorm_row_backward(const T* dy, const T* x, const T* w, T mean, T rstd, T* dx, T* dwx,
                                              int c) {
   const T m1 = row_sum<T>(c, [&](int i) { return dy[i] * w[i]; }) / T(c);
   const T m2 = row_sum<T>(c, [&](int i) { return dy[i] * w[i] * ((x[i] - mean) * rstd); }) / T(c);
   for (int i = 0; i < c; ++i) {
-    dw[i] += dy[i] * ((x[i] - mean) * rstd);
-    db[i] += dy[i];
-  }
-  for (int i = 0; i < c; ++i) {
     const T xhat = (x[i] - mean) * rstd;
+    dwx[i] = dy[i] * xhat;
     dx[i] += rstd * (dy[i] * w[i] - m1 - xhat * m2);
   }
 }
@@ -178,5 +177,160 @@ TANDEM_HD inline CrossEntropyRow cross_entropy_row(T* logits, int target, int v,
   }
   return out;
 }
+
+// --- Item bodies ---------------------------------------------------------------------------------------------------
+// What one work item does: compute.for_each(items, body) calls body(item) for every item, a loop on the host and
+// one CUDA thread per item on the GPU, so the host tests run exactly the code the GPU runs. No two items write the
+// same element. Indices are std::size_t; rows are row-major with the widths given.
+
+/// x[r] = wte[tokens[r]] + wpe[r % len], rows of c; items: rows.
+template <class T>
+struct EmbedBody {
+  const int* tokens;
+  const T *wte, *wpe;
+  T* x;
+  std::size_t len, c;
+  TANDEM_HD void operator()(std::size_t r) const {
+    const T* te = wte + std::size_t(tokens[r]) * c;
+    const T* pe = wpe + (r % len) * c;
+    T* xr = x + r * c;
+    for (std::size_t i = 0; i < c; ++i) xr[i] = te[i] + pe[i];
+  }
+};
+
+/// The embeddings' backward for token rows: dwte[t][i] = the sum of dx[r][i] over the rows r holding token t, in
+/// row order. The rows of token t are rows[start[t] .. start[t+1]) (ascending). Items: vocab x c.
+template <class T>
+struct TokenGradBody {
+  const T* dx;
+  const int *start, *rows;
+  T* dwte;
+  std::size_t c;
+  TANDEM_HD void operator()(std::size_t e) const {
+    const std::size_t t = e / c, i = e % c;
+    T sum = 0;
+    for (int k = start[t]; k < start[t + 1]; ++k) sum += dx[std::size_t(rows[k]) * c + i];
+    dwte[e] = sum;
+  }
+};
+
+/// Every row of y (cols wide) = b; items: rows x cols.
+template <class T>
+struct BroadcastRowsBody {
+  const T* b;
+  T* y;
+  std::size_t cols;
+  TANDEM_HD void operator()(std::size_t e) const { y[e] = b[e % cols]; }
+};
+
+/// y[e] += a[e]
+template <class T>
+struct AddBody {
+  T* y;
+  const T* a;
+  TANDEM_HD void operator()(std::size_t e) const { y[e] += a[e]; }
+};
+
+/// g[e] = gelu(h[e])
+template <class T>
+struct GeluBody {
+  const T* h;
+  T* g;
+  TANDEM_HD void operator()(std::size_t e) const { g[e] = gelu(h[e]); }
+};
+
+/// dh[e] *= gelu'(h[e])
+template <class T>
+struct GeluBackwardBody {
+  const T* h;
+  T* dh;
+  TANDEM_HD void operator()(std::size_t e) const { dh[e] *= gelu_grad(h[e]); }
+};
+
+/// layernorm_row of row r; items: rows.
+template <class T>
+struct LayerNormBody {
+  const T *x, *w, *b;
+  T *y, *mean, *rstd;
+  int c;
+  TANDEM_HD void operator()(std::size_t r) const {
+    const std::size_t o = r * std::size_t(c);
+    layernorm_row(x + o, w, b, y + o, mean + r, rstd + r, c);
+  }
+};
+
+/// layernorm_row_backward of row r; items: rows.
+template <class T>
+struct LayerNormBackwardBody {
+  const T *dy, *x, *w, *mean, *rstd;
+  T *dx, *dwx;
+  int c;
+  TANDEM_HD void operator()(std::size_t r) const {
+    const std::size_t o = r * std::size_t(c);
+    layernorm_row_backward(dy + o, x + o, w, mean[r], rstd[r], dx + o, dwx + o, c);
+  }
+};
+
+/// Causal softmax of query rows [r0, r0 + rows) of `count` score matrices (len x len, `stride` elements apart);
+/// items: count x rows.
+template <class T>
+struct CausalSoftmaxBody {
+  T* p;
+  std::size_t stride;
+  int r0, rows, len;
+  TANDEM_HD void operator()(std::size_t item) const {
+    const int i = r0 + int(item % std::size_t(rows));
+    causal_softmax_row(p + (item / rows) * stride + std::size_t(i) * len, i + 1, len);
+  }
+};
+
+/// The backward of CausalSoftmaxBody over the same rows: dp (`dstride` apart) becomes the scores' gradient.
+template <class T>
+struct CausalSoftmaxBackwardBody {
+  const T* p;
+  T* dp;
+  std::size_t stride, dstride;
+  int r0, rows, len;
+  TANDEM_HD void operator()(std::size_t item) const {
+    const int i = r0 + int(item % std::size_t(rows));
+    const std::size_t m = item / rows;
+    causal_softmax_row_backward(p + m * stride + std::size_t(i) * len, dp + m * dstride + std::size_t(i) * len, i + 1,
+                                len);
+  }
+};
+
+/// cross_entropy_row of row r against targets[r]: loss[r] and correct[r] (1 when the row has no target). With
+/// `train`, the row becomes the loss gradient (zero for a row without a target). Items: rows.
+template <class T>
+struct CrossEntropyBody {
+  T* logits;
+  const int* targets;
+  T* loss;
+  std::uint8_t* correct;
+  int v;
+  T grad_scale;
+  bool train;
+  TANDEM_HD void operator()(std::size_t r) const {
+    T* row = logits + r * std::size_t(v);
+    if (targets[r] < 0) {
+      if (train)
+        for (int j = 0; j < v; ++j) row[j] = 0;
+      loss[r] = 0;
+      correct[r] = 1;
+      return;
+    }
+    const CrossEntropyRow ce = cross_entropy_row(row, targets[r], v, train ? grad_scale : T(0));
+    loss[r] = T(ce.loss);
+    correct[r] = ce.correct ? 1 : 0;
+  }
+};
+
+/// dst[e] = To(src[e]) (bf16 copies of the parameters and gradients).
+template <class From, class To>
+struct CastBody {
+  const From* src;
+  To* dst;
+  TANDEM_HD void operator()(std::size_t e) const { dst[e] = To(src[e]); }
+};
 
 }  // namespace tiny

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Data-parallel training of the tiny transformer with tandem: one rank's loop (train_rank, for any
-// communicator) and N ranks as threads of this process (train_local). The lines that make training
+// communicator and compute: host ranks over LocalComm or Mpi, CUDA ranks over Nccl) and N host ranks as threads
+// of this process (train_local; cuda_train.cu has the CUDA counterpart). The lines that make training
 // data-parallel are marked "tandem:"; everything else is what single-device training does anyway.
 #pragma once
 
@@ -106,20 +107,39 @@ inline void validate(const TrainConfig& cfg, const Task& task, int world) {
   if (task.vocab > cfg.model.vocab) throw std::invalid_argument("the task's vocabulary exceeds the model's");
 }
 
-/// One rank's training: every rank of `comm` calls it with the same arguments.
-template <class Policy, class Comm>
-TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, const Progress& progress = {}) {
+/// comm.all_reduce of `n` doubles held on the host, through the compute's memory (NCCL reduces device memory).
+template <class Comm, class Compute>
+void all_reduce_host(Comm& comm, Compute& compute, typename Compute::template Array<double>& scratch, double* values,
+                     int n, tandem::ReduceOp op) {
+  if constexpr (Compute::host_memory) {
+    comm.all_reduce(values, values, std::size_t(n), tandem::DType::fp64, op, compute.stream());
+  } else {
+    if (scratch.size() < std::size_t(n)) Compute::resize(scratch, std::size_t(n));
+    compute.to_device(scratch.data(), values, std::size_t(n) * sizeof(double));
+    comm.all_reduce(scratch.data(), scratch.data(), std::size_t(n), tandem::DType::fp64, op, compute.stream());
+    compute.to_host(values, scratch.data(), std::size_t(n) * sizeof(double));
+  }
+}
+
+/// One rank's training: every rank of `comm` calls it with the same arguments. The model computes on `compute`
+/// (HostCompute, or CudaCompute with an Nccl communicator).
+template <class Policy, class Comm, class Compute = HostCompute>
+TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, const Progress& progress = {},
+                       Compute compute = {}) {
   const int rank = comm.rank(), world = comm.size(), len = task.train.len;
   validate(cfg, task, world);
-  Transformer<float> model(cfg.model, cfg.seed + std::uint64_t(rank));  // different on purpose: broadcast fixes it
+  // Different on purpose on each rank: broadcast_parameters() makes them equal.
+  Transformer<float, Compute> model(cfg.model, cfg.seed + std::uint64_t(rank), std::move(compute));
+  Compute& dev = model.compute();
+  const std::size_t numel = model.num_parameters();
 
   // The tensors tandem trains: the model's own buffers, or bf16 copies of them.
   std::vector<tandem::TensorRef> tensors = model.tensor_refs();
-  std::vector<tandem::BFloat16> params16, grads16;
+  typename Compute::template Array<tandem::BFloat16> params16, grads16;
   if (cfg.precision == Precision::bf16) {
-    params16.resize(model.num_parameters());
-    grads16.resize(model.num_parameters());
-    for (std::size_t i = 0; i < params16.size(); ++i) params16[i] = tandem::BFloat16(model.parameters()[i]);
+    Compute::resize(params16, numel);
+    Compute::resize(grads16, numel);
+    dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.parameters().data(), params16.data()});
     for (tandem::TensorRef& t : tensors) {
       const std::size_t offset = static_cast<float*>(t.param) - model.parameters().data();
       t = {t.name, params16.data() + offset, grads16.data() + offset, t.numel, tandem::DType::bf16};
@@ -127,13 +147,15 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   }
   auto params_to_model = [&] {
     if (cfg.precision == Precision::bf16)
-      for (std::size_t i = 0; i < params16.size(); ++i) model.parameters()[i] = float(params16[i]);
+      dev.for_each(numel, CastBody<tandem::BFloat16, float>{params16.data(), model.parameters().data()});
   };
 
-  tandem::DataParallel<Policy, tandem::AdamW, tandem::HostBackend, Comm> dp(  // tandem: wrap the model's tensors
+  tandem::DataParallel<Policy, tandem::AdamW, typename Compute::Backend, Comm> dp(  // tandem: wrap the model's tensors
       comm, tensors, {.lr = cfg.lr, .weight_decay = cfg.weight_decay},
-      {.accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm});
+      {.accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm, .stream = dev.stream()},
+      dev.backend());
   dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
+  typename Compute::template Array<double> scratch;
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);
   const int local = cfg.batch / cfg.accumulation / world;
@@ -142,10 +164,12 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   const int window = std::min(10, cfg.steps);
 
   const int untimed = cfg.untimed_steps < cfg.steps ? cfg.untimed_steps : 0;
+  dev.synchronize();
   comm.barrier();
   auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < cfg.steps; ++step) {
     if (step == untimed && step > 0) {
+      dev.synchronize();
       comm.barrier();
       start = std::chrono::steady_clock::now();
     }
@@ -161,15 +185,16 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       loss += model.forward(tokens.data(), targets.data(), local, len, Pass::train).mean_loss() / cfg.accumulation;
       model.backward();
       if (cfg.precision == Precision::bf16)
-        for (std::size_t i = 0; i < grads16.size(); ++i) grads16[i] = tandem::BFloat16(model.gradients()[i]);
+        dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.gradients().data(), grads16.data()});
       dp.step();  // tandem: average the gradients over ranks (and micro-steps), update, regather
     }
-    comm.all_reduce(&loss, &loss, 1, tandem::DType::fp64, tandem::ReduceOp::avg);  // the global batch's mean
+    all_reduce_host(comm, dev, scratch, &loss, 1, tandem::ReduceOp::avg);  // the global batch's mean
     if (step >= cfg.steps - window) final_loss += loss / window;
     if (rank == 0 && progress)
       progress(step + 1, cfg.steps, loss,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
+  dev.synchronize();
   comm.barrier();
   TrainResult result;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -193,12 +218,12 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     }
     sums[3] += b;
   }
-  comm.all_reduce(sums, sums, 4, tandem::DType::fp64, tandem::ReduceOp::sum);
+  all_reduce_host(comm, dev, scratch, sums, 4, tandem::ReduceOp::sum);
   result.eval_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
   result.eval_accuracy =
       task.whole_example_accuracy ? sums[2] / std::max(1.0, sums[3]) : sums[2] / std::max(1.0, sums[1]);
   result.memory_per_rank = dp.memory_report().total();
-  if (rank == 0) result.params = model.parameters();
+  if (rank == 0) result.params = model.host_parameters();
   return result;
 }
 
