@@ -11,6 +11,7 @@
 //   gemm(...)                       row-major C = alpha op(A) op(B) + beta C (blas.hpp's convention)
 //   gemm_batched(..., count)        `count` such products, each matrix `stride` elements after the previous one
 //   column_sums(m, rows, cols, out) out[j] = the sum over the rows of m[r][j] (overwritten)
+//   reserve_rows(rows)              prepares column_sums for up to `rows` rows (allocates now, not later)
 //   broadcast_rows(b, y, rows, cols) every row of y = b
 //   to_device / to_host             copies between host memory and the compute's memory (to_host waits for it)
 //   synchronize()                   waits until the compute's work so far is done
@@ -69,6 +70,8 @@ class HostCompute {
       for (int j = 0; j < cols; ++j) out[j] += row[j];
     }
   }
+
+  void reserve_rows(std::size_t) const {}
 
   template <class T>
   void broadcast_rows(const T* b, T* y, int rows, int cols) const {

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -124,11 +125,9 @@ class CudaCompute {
   CudaCompute(const CudaCompute&) = delete;
   CudaCompute& operator=(const CudaCompute&) = delete;
   ~CudaCompute() {
+    if (stream_) TANDEM_CUDA_LOG(cudaStreamSynchronize(stream_));
     if (blas_) cublasDestroy(blas_);
-    if (stream_) {
-      TANDEM_CUDA_LOG(cudaStreamSynchronize(stream_));
-      TANDEM_CUDA_LOG(cudaStreamDestroy(stream_));
-    }
+    if (stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(stream_));
   }
 
   template <class T>
@@ -163,15 +162,20 @@ class CudaCompute {
         a, lda, static_cast<long long>(stride_a), &beta, c, ldc, static_cast<long long>(stride_c), count));
   }
 
-  /// out = m^T ones: cuBLAS's gemv against a vector of ones (grown to the largest row count asked for).
-  void column_sums(const float* m, int rows, int cols, float* out) {
-    if (ones_.size() < std::size_t(rows)) {
-      ones_.reset(std::size_t(rows));
-      for_each(std::size_t(rows), detail::Fill<float>{ones_.data(), 1.0f});
-    }
+  /// out = m^T ones: cuBLAS's gemv against a vector of ones (reserve_rows(rows) first).
+  void column_sums(const float* m, int rows, int cols, float* out) const {
+    if (ones_.size() < std::size_t(rows))
+      throw std::logic_error("CudaCompute::column_sums: " + std::to_string(rows) + " rows, but reserve_rows(" +
+                             std::to_string(ones_.size()) + ")");
     const float one = 1.0f, zero = 0.0f;
     // Row-major m (rows x cols) is column-major m^T (cols x rows, leading dimension cols).
     TINY_CUBLAS_CHECK(cublasSgemv(blas_, CUBLAS_OP_N, cols, rows, &one, m, cols, ones_.data(), 1, &zero, out, 1));
+  }
+
+  void reserve_rows(std::size_t rows) {
+    if (ones_.size() >= rows) return;
+    ones_.reset(rows);
+    for_each(rows, detail::Fill<float>{ones_.data(), 1.0f});
   }
 
   void broadcast_rows(const float* b, float* y, int rows, int cols) const {

@@ -159,6 +159,47 @@ class Transformer {
     return refs;
   }
 
+  /// Allocates everything forward and backward need for batches of up to `batch` sequences of `len` tokens now,
+  /// rather than at the first such batch (on a GPU, allocation must not happen between collectives).
+  void reserve(int batch, int len) {
+    const std::size_t c = cfg_.width, f = std::size_t(cfg_.mlp_ratio) * c, layers = cfg_.layers;
+    std::size_t n = std::size_t(batch) * len, probs = std::size_t(batch) * cfg_.heads * len * len;
+    const std::size_t sequence_probs = std::size_t(cfg_.heads) * len * len;  // dprobs: one sequence, every head
+    if (n <= act_.rows && probs <= act_.probs_per_layer && sequence_probs <= act_.dprobs.size()) return;
+    act_.rows = std::max(n, act_.rows);
+    act_.probs_per_layer = std::max(probs, act_.probs_per_layer);
+    n = act_.rows;
+    probs = act_.probs_per_layer;
+    compute_.reserve_rows(n);
+    Compute::resize(act_.x, (layers + 1) * n * c);
+    Compute::resize(act_.mid, layers * n * c);
+    Compute::resize(act_.ln1, layers * n * c);
+    Compute::resize(act_.ln2, layers * n * c);
+    Compute::resize(act_.mean, 2 * layers * n);
+    Compute::resize(act_.rstd, 2 * layers * n);
+    Compute::resize(act_.qkv, layers * n * 3 * c);
+    Compute::resize(act_.att, layers * n * c);
+    Compute::resize(act_.probs, layers * probs);
+    Compute::resize(act_.h, layers * n * f);
+    Compute::resize(act_.g, layers * n * f);
+    Compute::resize(act_.lnf, n * c);
+    Compute::resize(act_.lnf_mean, n);
+    Compute::resize(act_.lnf_rstd, n);
+    Compute::resize(act_.logits, n * cfg_.vocab);
+    Compute::resize(act_.row_loss, n);
+    Compute::resize(act_.row_correct, n);
+    Compute::resize(act_.dx, n * c);
+    Compute::resize(act_.dln, n * c);
+    Compute::resize(act_.dwx, n * c);
+    Compute::resize(act_.dqkv, n * 3 * c);
+    Compute::resize(act_.dh, n * f);
+    Compute::resize(act_.dprobs, std::max(sequence_probs, act_.dprobs.size()));
+    Compute::resize(tokens_, n);
+    Compute::resize(targets_, n);
+    Compute::resize(token_rows_, n);
+    Compute::resize(token_start_, std::size_t(cfg_.vocab) + 1);
+  }
+
   /// Runs B sequences of `len` tokens (tokens[b*len + i], host memory); targets[b*len + i] is the token expected
   /// after position i, or -1 for none. With Pass::train the loss gradient (of the mean loss over the rows with a
   /// target) is ready for backward().
@@ -182,6 +223,7 @@ class Transformer {
     reserve(batch, len);
     batch_ = batch;
     len_ = len;
+    act_.stride_nc = std::size_t(n) * c;
     compute_.to_device(tokens_.data(), tokens, std::size_t(n) * sizeof(int));
     compute_.to_device(targets_.data(), targets, std::size_t(n) * sizeof(int));
     if (pass == Pass::train) index_token_rows(tokens, n);
@@ -261,48 +303,6 @@ class Transformer {
     Array<std::uint8_t> row_correct;
     Array<T> dx, dln, dwx, dqkv, dh, dprobs;  // backward scratch
   };
-
-  void reserve(int batch, int len) {
-    const std::size_t c = cfg_.width, f = std::size_t(cfg_.mlp_ratio) * c, layers = cfg_.layers;
-    std::size_t n = std::size_t(batch) * len, probs = std::size_t(batch) * cfg_.heads * len * len;
-    const std::size_t sequence_probs = std::size_t(cfg_.heads) * len * len;  // dprobs: one sequence, every head
-    if (n <= act_.rows && probs <= act_.probs_per_layer && sequence_probs <= act_.dprobs.size()) {
-      act_.stride_nc = n * c;
-      return;
-    }
-    act_.rows = std::max(n, act_.rows);
-    act_.probs_per_layer = std::max(probs, act_.probs_per_layer);
-    act_.stride_nc = n * c;
-    n = act_.rows;
-    probs = act_.probs_per_layer;
-    Compute::resize(act_.x, (layers + 1) * n * c);
-    Compute::resize(act_.mid, layers * n * c);
-    Compute::resize(act_.ln1, layers * n * c);
-    Compute::resize(act_.ln2, layers * n * c);
-    Compute::resize(act_.mean, 2 * layers * n);
-    Compute::resize(act_.rstd, 2 * layers * n);
-    Compute::resize(act_.qkv, layers * n * 3 * c);
-    Compute::resize(act_.att, layers * n * c);
-    Compute::resize(act_.probs, layers * probs);
-    Compute::resize(act_.h, layers * n * f);
-    Compute::resize(act_.g, layers * n * f);
-    Compute::resize(act_.lnf, n * c);
-    Compute::resize(act_.lnf_mean, n);
-    Compute::resize(act_.lnf_rstd, n);
-    Compute::resize(act_.logits, n * cfg_.vocab);
-    Compute::resize(act_.row_loss, n);
-    Compute::resize(act_.row_correct, n);
-    Compute::resize(act_.dx, n * c);
-    Compute::resize(act_.dln, n * c);
-    Compute::resize(act_.dwx, n * c);
-    Compute::resize(act_.dqkv, n * 3 * c);
-    Compute::resize(act_.dh, n * f);
-    Compute::resize(act_.dprobs, std::max(sequence_probs, act_.dprobs.size()));
-    Compute::resize(tokens_, n);
-    Compute::resize(targets_, n);
-    Compute::resize(token_rows_, n);
-    Compute::resize(token_start_, std::size_t(cfg_.vocab) + 1);
-  }
 
   /// The rows holding each token, in ascending order (a counting sort), for the token embeddings' backward.
   void index_token_rows(const int* tokens, int n) {

@@ -114,7 +114,7 @@ void all_reduce_host(Comm& comm, Compute& compute, typename Compute::template Ar
   if constexpr (Compute::host_memory) {
     comm.all_reduce(values, values, std::size_t(n), tandem::DType::fp64, op, compute.stream());
   } else {
-    if (scratch.size() < std::size_t(n)) Compute::resize(scratch, std::size_t(n));
+    if (scratch.size() < std::size_t(n)) throw std::logic_error("all_reduce_host: scratch too small");
     compute.to_device(scratch.data(), values, std::size_t(n) * sizeof(double));
     comm.all_reduce(scratch.data(), scratch.data(), std::size_t(n), tandem::DType::fp64, op, compute.stream());
     compute.to_host(values, scratch.data(), std::size_t(n) * sizeof(double));
@@ -150,15 +150,19 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       dev.for_each(numel, CastBody<tandem::BFloat16, float>{params16.data(), model.parameters().data()});
   };
 
+  // Everything allocated before the first collective (on GPUs, allocating between collectives can deadlock).
+  typename Compute::template Array<double> scratch;
+  Compute::resize(scratch, 4);
+  const int local = cfg.batch / cfg.accumulation / world;
+  model.reserve(std::max(local, cfg.eval_batch), len);
+
   tandem::DataParallel<Policy, tandem::AdamW, typename Compute::Backend, Comm> dp(  // tandem: wrap the model's tensors
       comm, tensors, {.lr = cfg.lr, .weight_decay = cfg.weight_decay},
       {.accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm, .stream = dev.stream()},
       dev.backend());
   dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
-  typename Compute::template Array<double> scratch;
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);
-  const int local = cfg.batch / cfg.accumulation / world;
   std::vector<int> tokens(std::size_t(local) * len), targets(tokens.size());
   double final_loss = 0;
   const int window = std::min(10, cfg.steps);
