@@ -178,7 +178,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the four runs; the median of each is reported")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the four runs; the median of each is reported")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
