@@ -195,8 +195,7 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+  if (tandem::visible_cuda_devices() == 0) {
     std::printf("bench_cuda: no CUDA device, nothing to measure\n");
     return 0;
   }

@@ -23,8 +23,7 @@ __global__ void toy_backward(const float* w, float* g, std::size_t n, float targ
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+  if (tandem::visible_cuda_devices() == 0) {
     std::printf("cuda_integration: no CUDA device here; nothing to run\n");
     return 0;
   }

@@ -17,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "support/gpu_main.hpp"
 #include "tandem/backend/cuda.hpp"
 #include "tandem/comm/nccl.hpp"
 #include "tandem/tandem.hpp"
@@ -281,15 +282,6 @@ void check_all_runs() {
   check_single_rank<P, BFloat16>(Run{.max_grad_norm = 0.05f});
 }
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
 }  // namespace
 
 TEST_CASE("CUDA pack/unpack is bitwise equal to the host bodies") {
@@ -362,7 +354,7 @@ TEST_CASE_TEMPLATE("DataParallel on CUDA with Nccl at one rank equals the host",
 
 TEST_CASE_TEMPLATE("DataParallel over every GPU (NcclGroup) equals LocalGroup on the host", P, tandem::Replicated,
                    tandem::OptimizerSharded, tandem::GradientSharded) {
-  const int n = device_count();
+  const int n = tandem::visible_cuda_devices();
   if (n < 2) {
     MESSAGE("fewer than 2 GPUs: the multi-GPU case does not run");
     return;
@@ -378,13 +370,4 @@ TEST_CASE_TEMPLATE("DataParallel over every GPU (NcclGroup) equals LocalGroup on
     });
     for (std::size_t i = 0; i < ref.size(); ++i) CHECK(relative_error(got[i], ref[i]) <= 1e-5);
   }
-}
-
-int main(int argc, char** argv) {
-  if (device_count() == 0) {
-    std::printf("no CUDA device: the gpu tests are skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
 }

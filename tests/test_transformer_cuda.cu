@@ -20,20 +20,12 @@
 #include <vector>
 
 #include "../examples/tiny_transformer/cuda_compute.cuh"
+#include "support/gpu_main.hpp"
 #include "support/params.hpp"
 #include "support/sort_task.hpp"
 #include "tandem/comm/nccl.hpp"
 
 namespace {
-
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 double relative_error(double a, double ref) { return std::abs(a - ref) / std::max(std::abs(ref), 1e-30); }
 
@@ -121,20 +113,11 @@ TEST_CASE("bf16 parameters with accumulation on one GPU track the host") {
 }
 
 TEST_CASE_TEMPLATE("2 GPU ranks (NCCL) match 2 host ranks", Policy, tandem::Replicated, tandem::GradientSharded) {
-  if (device_count() < 2) {
+  if (tandem::visible_cuda_devices() < 2) {
     MESSAGE("SKIPPED: fewer than 2 GPUs, the multi-GPU case does not run");
     return;
   }
   const tiny::Task task = test::sort_task(32 * 40);
   const tiny::TrainConfig cfg = test::sort_config(40);
   check_same_training(train_gpus<Policy>(2, cfg, task), tiny::train_local<Policy>(2, cfg, task), 1e-3);
-}
-
-int main(int argc, char** argv) {
-  if (device_count() == 0) {
-    std::printf("no CUDA device: the tiny transformer's gpu tests are skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
 }

@@ -12,14 +12,7 @@
 
 namespace tiny {
 
-int cuda_device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // no driver or no device: not an error here
-    return 0;
-  }
-  return n;
-}
+int cuda_device_count() { return tandem::visible_cuda_devices(); }
 
 void require_gpus(int ranks) {
   const int devices = cuda_device_count();

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // TANDEM_CUDA_CHECK(call): evaluates a CUDA runtime call once; on failure clears CUDA's sticky last error and
 // throws tandem::cuda_error carrying the status, its name, the call text, file:line and the rank.
+// visible_cuda_devices(): how many GPUs this process may use, 0 without a driver or device (not an error).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +30,21 @@ inline void log_cuda_error(cudaError_t status, const char* call, const char* fil
 }
 
 }  // namespace tandem::detail
+
+namespace tandem {
+
+/// The CUDA devices this process can use; 0 where there is no driver or no device, which is not an error here:
+/// callers choose the host instead (or skip, in tests).
+inline int visible_cuda_devices() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace tandem
 
 #define TANDEM_CUDA_CHECK(call)                                                           \
   do {                                                                                    \
