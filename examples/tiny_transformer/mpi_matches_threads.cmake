@@ -4,7 +4,8 @@
 #
 # Trains the tiny transformer twice under ZeRO-2, as 2 MPI processes and as 2 threads of one process, and checks
 # that the trained parameters' fingerprints are equal: tandem::Mpi and tandem::LocalGroup give bitwise the same run.
-set(args --steps 12 --batch 8 --eval 64 --policy gradient-sharded --accum 2)
+# Host ranks on both sides, also on machines with GPUs.
+set(args --backend host --steps 12 --batch 8 --eval 64 --policy gradient-sharded --accum 2)
 execute_process(COMMAND ${MPIEXEC} ${NUMPROC_FLAG} 2 ${FLAGS} ${EXE} ${args} OUTPUT_VARIABLE mpi_out
                 ERROR_VARIABLE mpi_err RESULT_VARIABLE mpi_rc TIMEOUT 240)
 execute_process(COMMAND ${EXE} ${args} --ranks 2 OUTPUT_VARIABLE threads_out ERROR_VARIABLE threads_err
