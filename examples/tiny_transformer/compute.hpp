@@ -38,7 +38,7 @@ class HostCompute {
   static constexpr const char* name() { return "host"; }
 
   template <class T>
-  static void resize(Array<T>& a, std::size_t n) {
+  void resize(Array<T>& a, std::size_t n) const {
     a.assign(n, T(0));
   }
 

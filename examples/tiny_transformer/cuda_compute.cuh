@@ -57,52 +57,11 @@ inline cublasOperation_t cublas_op(Trans t) { return t == Trans::yes ? CUBLAS_OP
 
 }  // namespace detail
 
-/// Owning device memory of n elements (plain cudaMalloc: the model allocates once and reuses).
-template <class T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(DeviceArray&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-  DeviceArray& operator=(DeviceArray&& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() {
-    if (data_) TANDEM_CUDA_LOG(cudaFree(data_));
-  }
-
-  /// n zeroed elements, ready for any stream; the previous contents are dropped (after the device is done with
-  /// them). The model resizes only when a batch is larger than every batch before it.
-  void reset(std::size_t n) {
-    if (data_) {
-      TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-      TANDEM_CUDA_CHECK(cudaFree(data_));
-      data_ = nullptr;
-    }
-    size_ = n;
-    if (n == 0) return;
-    TANDEM_CUDA_CHECK(cudaMalloc(&data_, n * sizeof(T)));
-    TANDEM_CUDA_CHECK(cudaMemset(data_, 0, n * sizeof(T)));
-    // The memset ran on the legacy default stream, which does not order non-blocking streams' work: finish it.
-    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-
-  T* data() const { return data_; }
-  std::size_t size() const { return size_; }
-
- private:
-  T* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
 class CudaCompute {
  public:
   using Backend = tandem::CudaBackend;
   template <class T>
-  using Array = DeviceArray<T>;
+  using Array = tandem::CudaBuffer<T>;  // stream-ordered, freed in order on the compute's stream
   static constexpr bool host_memory = false;
   static constexpr const char* name() { return "cuda"; }
   static constexpr unsigned threads = 256;
@@ -125,14 +84,17 @@ class CudaCompute {
   CudaCompute(const CudaCompute&) = delete;
   CudaCompute& operator=(const CudaCompute&) = delete;
   ~CudaCompute() {
+    ones_ = {};  // freed on the stream, before the stream goes
     if (stream_) TANDEM_CUDA_LOG(cudaStreamSynchronize(stream_));
     if (blas_) cublasDestroy(blas_);
     if (stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(stream_));
   }
 
+  /// n zeroed elements, allocated in order on the compute's stream (the previous ones freed on it).
   template <class T>
-  static void resize(Array<T>& a, std::size_t n) {
-    a.reset(n);
+  void resize(Array<T>& a, std::size_t n) const {
+    a = Array<T>(n, stream());
+    zero(a.data(), n);
   }
 
   template <class T>
@@ -174,7 +136,7 @@ class CudaCompute {
 
   void reserve_rows(std::size_t rows) {
     if (ones_.size() >= rows) return;
-    ones_.reset(rows);
+    resize(ones_, rows);
     for_each(rows, detail::Fill<float>{ones_.data(), 1.0f});
   }
 
@@ -201,7 +163,7 @@ class CudaCompute {
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  DeviceArray<float> ones_;
+  Array<float> ones_;
 };
 
 }  // namespace tiny

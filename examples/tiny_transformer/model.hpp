@@ -125,8 +125,8 @@ class Transformer {
     }
     fill(lnf_w_, T(1));
     fill_normal(head_, 1.0);
-    Compute::resize(params_, total_);
-    Compute::resize(grads_, total_);
+    compute_.resize(params_, total_);
+    compute_.resize(grads_, total_);
     compute_.to_device(params_.data(), init.data(), total_ * sizeof(T));
   }
 
@@ -171,33 +171,33 @@ class Transformer {
     n = act_.rows;
     probs = act_.probs_per_layer;
     compute_.reserve_rows(n);
-    Compute::resize(act_.x, (layers + 1) * n * c);
-    Compute::resize(act_.mid, layers * n * c);
-    Compute::resize(act_.ln1, layers * n * c);
-    Compute::resize(act_.ln2, layers * n * c);
-    Compute::resize(act_.mean, 2 * layers * n);
-    Compute::resize(act_.rstd, 2 * layers * n);
-    Compute::resize(act_.qkv, layers * n * 3 * c);
-    Compute::resize(act_.att, layers * n * c);
-    Compute::resize(act_.probs, layers * probs);
-    Compute::resize(act_.h, layers * n * f);
-    Compute::resize(act_.g, layers * n * f);
-    Compute::resize(act_.lnf, n * c);
-    Compute::resize(act_.lnf_mean, n);
-    Compute::resize(act_.lnf_rstd, n);
-    Compute::resize(act_.logits, n * cfg_.vocab);
-    Compute::resize(act_.row_loss, n);
-    Compute::resize(act_.row_correct, n);
-    Compute::resize(act_.dx, n * c);
-    Compute::resize(act_.dln, n * c);
-    Compute::resize(act_.dwx, n * c);
-    Compute::resize(act_.dqkv, n * 3 * c);
-    Compute::resize(act_.dh, n * f);
-    Compute::resize(act_.dprobs, std::max(sequence_probs, act_.dprobs.size()));
-    Compute::resize(tokens_, n);
-    Compute::resize(targets_, n);
-    Compute::resize(token_rows_, n);
-    Compute::resize(token_start_, std::size_t(cfg_.vocab) + 1);
+    compute_.resize(act_.x, (layers + 1) * n * c);
+    compute_.resize(act_.mid, layers * n * c);
+    compute_.resize(act_.ln1, layers * n * c);
+    compute_.resize(act_.ln2, layers * n * c);
+    compute_.resize(act_.mean, 2 * layers * n);
+    compute_.resize(act_.rstd, 2 * layers * n);
+    compute_.resize(act_.qkv, layers * n * 3 * c);
+    compute_.resize(act_.att, layers * n * c);
+    compute_.resize(act_.probs, layers * probs);
+    compute_.resize(act_.h, layers * n * f);
+    compute_.resize(act_.g, layers * n * f);
+    compute_.resize(act_.lnf, n * c);
+    compute_.resize(act_.lnf_mean, n);
+    compute_.resize(act_.lnf_rstd, n);
+    compute_.resize(act_.logits, n * cfg_.vocab);
+    compute_.resize(act_.row_loss, n);
+    compute_.resize(act_.row_correct, n);
+    compute_.resize(act_.dx, n * c);
+    compute_.resize(act_.dln, n * c);
+    compute_.resize(act_.dwx, n * c);
+    compute_.resize(act_.dqkv, n * 3 * c);
+    compute_.resize(act_.dh, n * f);
+    compute_.resize(act_.dprobs, std::max(sequence_probs, act_.dprobs.size()));
+    compute_.resize(tokens_, n);
+    compute_.resize(targets_, n);
+    compute_.resize(token_rows_, n);
+    compute_.resize(token_start_, std::size_t(cfg_.vocab) + 1);
   }
 
   /// Runs B sequences of `len` tokens (tokens[b*len + i], host memory); targets[b*len + i] is the token expected

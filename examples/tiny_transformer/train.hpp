@@ -137,8 +137,8 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   std::vector<tandem::TensorRef> tensors = model.tensor_refs();
   typename Compute::template Array<tandem::BFloat16> params16, grads16;
   if (cfg.precision == Precision::bf16) {
-    Compute::resize(params16, numel);
-    Compute::resize(grads16, numel);
+    dev.resize(params16, numel);
+    dev.resize(grads16, numel);
     dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.parameters().data(), params16.data()});
     for (tandem::TensorRef& t : tensors) {
       const std::size_t offset = static_cast<float*>(t.param) - model.parameters().data();
@@ -152,7 +152,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
 
   // Everything allocated before the first collective (on GPUs, allocating between collectives can deadlock).
   typename Compute::template Array<double> scratch;
-  Compute::resize(scratch, 4);
+  dev.resize(scratch, 4);
   const int local = cfg.batch / cfg.accumulation / world;
   model.reserve(std::max(local, cfg.eval_batch), len);
 
