@@ -12,15 +12,19 @@
 # Input:  _tandem_mpi_scope  "GLOBAL" (build tree: a parent project must see the target) or empty.
 # Output: TANDEM_MPI_FOUND.
 
+# A target MPI::MPI_CXX made by the caller is trusted; one made here counts only if FindMPI also found MPI (without an
+# MPI installed, FindMPI's pkg-config fallback can leave an empty MPI::MPI_CXX behind).
+set(_tandem_mpi_usable TRUE)
 if(NOT TARGET MPI::MPI_CXX)
   if(NOT DEFINED MPI_CXX_SKIP_MPICXX)
     set(MPI_CXX_SKIP_MPICXX TRUE)
   endif()
   find_package(MPI QUIET COMPONENTS CXX)
+  set(_tandem_mpi_usable ${MPI_CXX_FOUND})
 endif()
 
 set(TANDEM_MPI_FOUND FALSE)
-if(TARGET MPI::MPI_CXX)
+if(TARGET MPI::MPI_CXX AND _tandem_mpi_usable)
   set(TANDEM_MPI_FOUND TRUE)
   if(NOT TARGET tandem::mpi)
     add_library(tandem::mpi INTERFACE IMPORTED ${_tandem_mpi_scope})
