@@ -3,7 +3,8 @@
 // operation on its own (LayerNorm, GELU, causal softmax, cross-entropy), then every parameter of a whole
 // small model (which covers the embeddings, attention, MLP, residuals and head through their composition).
 // The float model, which trains, is checked against the double one; its fast exp against the C library's.
-// Then the example's data: the sorting task, text windows and the distributed sampler.
+// Then the example's data: the sorting task, text windows and the distributed sampler; and which OpenBLAS kernels
+// the example runs on (blas_core.hpp): the verdicts, the --blas-core plan and the sgemm check of candidate kernels.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <set>
 #include <vector>
 
+#include "../examples/tiny_transformer/blas_core.hpp"
 #include "../examples/tiny_transformer/data.hpp"
 #include "../examples/tiny_transformer/model.hpp"
 
@@ -336,4 +338,180 @@ TEST_CASE("distributed sampler: the same global batches whatever the rank count,
   CHECK(global_batch(0, 1, 1) != global_batch(8, 1, 1));  // a new order each epoch
   CHECK_THROWS_AS(sampler.indices(0, 0, 1, 0, 5), std::invalid_argument);
   CHECK_THROWS_AS(tiny::DistributedSampler(5, 12, 1), std::invalid_argument);
+}
+
+// --- Which OpenBLAS kernels run (blas_core.hpp): pure verdicts, the --blas-core plan, the sgemm check ---------------
+
+namespace {
+
+tiny::CpuFeatures avx512_cpu() {
+  return {.x86_64 = true,
+          .avx = true,
+          .avx2 = true,
+          .fma = true,
+          .avx512f = true,
+          .avx512dq = true,
+          .avx512cd = true,
+          .avx512bw = true,
+          .avx512vl = true};
+}
+tiny::CpuFeatures avx2_cpu() { return {.x86_64 = true, .avx = true, .avx2 = true, .fma = true}; }
+
+/// A plain-loop float sgemm with blas.hpp's signature; `fault` breaks it in one way for the check to catch.
+enum class Fault { none, ignore_beta, read_c_when_beta_is_zero, write_padding, one_element_off, drop_last_k };
+
+auto loop_gemm(Fault fault) {
+  return [fault](tiny::Trans ta, tiny::Trans tb, int m, int n, int k, float alpha, const float* a, int lda,
+                 const float* b, int ldb, float beta, float* c, int ldc) {
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        float sum = 0;
+        const int terms = fault == Fault::drop_last_k && k > 1 ? k - 1 : k;
+        for (int p = 0; p < terms; ++p)
+          sum += (ta == tiny::Trans::no ? a[i * lda + p] : a[p * lda + i]) *
+                 (tb == tiny::Trans::no ? b[p * ldb + j] : b[j * ldb + p]);
+        float& out = c[i * ldc + j];
+        const bool read_c = fault == Fault::read_c_when_beta_is_zero ? true : beta != 0.0f;
+        out = alpha * sum + (fault == Fault::ignore_beta || !read_c ? 0.0f : beta * out);
+        if (fault == Fault::one_element_off && i == m - 1 && j == n - 1 && m * n > 1000) out *= 1.001f;
+      }
+    if (fault == Fault::write_padding && ldc > n) c[ldc - 1] = 0.0f;
+  };
+}
+
+}  // namespace
+
+TEST_CASE("blas kernels: generic when narrower than the CPU, with the kernels to name instead") {
+  const tiny::BlasVerdict prescott = tiny::judge_blas_kernels("Prescott", avx512_cpu());
+  CHECK(prescott.kernels == tiny::SimdLevel::sse);
+  CHECK(prescott.cpu == tiny::SimdLevel::avx512);
+  CHECK(prescott.generic());
+  CHECK(prescott.better == "SkylakeX");
+  CHECK(tiny::judge_blas_kernels("prescott", avx2_cpu()).better == "Haswell");  // any case, as OpenBLAS takes it
+  CHECK(tiny::judge_blas_kernels("Nehalem", {.x86_64 = true, .avx = true}).better == "Sandybridge");
+  CHECK(tiny::judge_blas_kernels("Haswell", avx512_cpu()).better == "SkylakeX");  // AVX2 kernels on AVX-512
+  for (const char* best : {"SkylakeX", "Cooperlake", "SapphireRapids"})
+    CHECK_FALSE(tiny::judge_blas_kernels(best, avx512_cpu()).generic());
+  CHECK_FALSE(tiny::judge_blas_kernels("Haswell", avx2_cpu()).generic());
+  CHECK_FALSE(tiny::judge_blas_kernels("Zen", avx2_cpu()).generic());
+  CHECK_FALSE(tiny::judge_blas_kernels("Prescott", {.x86_64 = true}).generic());  // an SSE-only CPU: nothing better
+  // AVX-512 without BW and VL (Knights Landing) cannot run SkylakeX's kernels: its best are Haswell's.
+  tiny::CpuFeatures knl = avx2_cpu();
+  knl.avx512f = knl.avx512cd = true;
+  CHECK(tiny::cpu_simd_level(knl) == tiny::SimdLevel::avx2);
+  CHECK(tiny::judge_blas_kernels("Prescott", knl).better == "Haswell");
+  // Names outside the x86-64 table (another architecture's kernels) and CPUs that are not x86-64: no advice.
+  CHECK(tiny::judge_blas_kernels("NEOVERSEN1", avx512_cpu()).kernels == tiny::SimdLevel::unknown);
+  CHECK_FALSE(tiny::judge_blas_kernels("NEOVERSEN1", avx512_cpu()).generic());
+  CHECK_FALSE(tiny::judge_blas_kernels("Prescott", tiny::CpuFeatures{}).generic());
+  CHECK_FALSE(tiny::judge_blas_kernels("", avx512_cpu()).generic());
+}
+
+TEST_CASE("blas kernels: the line the program prints says which kernels, which OpenBLAS, and what to do") {
+  const tiny::BlasInfo info{.corename = "Prescott",
+                            .config = "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64",
+                            .library = "/usr/lib/openblas-pthread/libopenblasp-r0.3.21.so"};
+  CHECK(tiny::openblas_version(info.config) == "OpenBLAS 0.3.21");
+  CHECK(tiny::openblas_version("") == "OpenBLAS");
+  const tiny::BlasVerdict generic = tiny::judge_blas_kernels(info.corename, avx512_cpu());
+  const std::string line = tiny::describe_blas(info, generic, nullptr);
+  INFO(line);
+  CHECK(line.rfind("blas: Prescott kernels (SSE) of OpenBLAS 0.3.21 (libopenblasp-r0.3.21.so); ", 0) == 0);
+  CHECK(line.find("generic kernels on a CPU with AVX-512: OPENBLAS_CORETYPE=SkylakeX or --blas-core auto") !=
+        std::string::npos);
+  // Set by the user (or the machine): said, and only the variable is suggested.
+  const std::string forced = tiny::describe_blas(info, generic, "Prescott");
+  CHECK(forced.find(", OPENBLAS_CORETYPE=Prescott; ") != std::string::npos);
+  CHECK(forced.find("--blas-core") == std::string::npos);
+  // The best kernels for the CPU: no advice.
+  const tiny::BlasInfo skx{.corename = "SkylakeX", .config = "OpenBLAS 0.3.21 DYNAMIC_ARCH SkylakeX", .library = {}};
+  CHECK(tiny::describe_blas(skx, tiny::judge_blas_kernels("SkylakeX", avx512_cpu()), nullptr) ==
+        "blas: SkylakeX kernels (AVX-512) of OpenBLAS 0.3.21");
+  CHECK(tiny::blas_advice(tiny::judge_blas_kernels("Haswell", avx512_cpu()), nullptr)
+            .rfind("kernels narrower than this CPU's AVX-512: OPENBLAS_CORETYPE=SkylakeX", 0) == 0);
+  // A BLAS that does not name its kernels.
+  CHECK(tiny::describe_blas({.corename = {}, .config = {}, .library = "/lib/libblas.so.3"}, {}, nullptr)
+            .find("libblas.so.3 that does not say which kernels") != std::string::npos);
+}
+
+TEST_CASE("blas kernels: --blas-core never overrides OPENBLAS_CORETYPE and restarts only where it would change") {
+  using tiny::BlasCoreMode;
+  CHECK(tiny::parse_blas_core("keep").mode == BlasCoreMode::keep);
+  CHECK(tiny::parse_blas_core("auto").mode == BlasCoreMode::automatic);
+  CHECK(tiny::parse_blas_core("Haswell").mode == BlasCoreMode::named);
+  CHECK(tiny::parse_blas_core("Opteron_SSE3").name == "Opteron_SSE3");
+  CHECK_THROWS_WITH_AS(tiny::parse_blas_core(""), doctest::Contains("expected keep, auto or"), std::invalid_argument);
+  CHECK_THROWS_AS(tiny::parse_blas_core("Sky lake"), std::invalid_argument);
+  CHECK_THROWS_AS(tiny::parse_blas_core("a=b"), std::invalid_argument);
+
+  const tiny::BlasVerdict generic = tiny::judge_blas_kernels("Prescott", avx512_cpu());
+  const tiny::BlasVerdict best = tiny::judge_blas_kernels("SkylakeX", avx512_cpu());
+  const tiny::BlasCoreOption automatic = tiny::parse_blas_core("auto"), keep = tiny::parse_blas_core("keep"),
+                             haswell = tiny::parse_blas_core("haswell");
+  CHECK(tiny::blas_core_candidate(automatic, nullptr, "Prescott", generic) == "SkylakeX");
+  CHECK(tiny::blas_core_candidate(automatic, nullptr, "SkylakeX", best).empty());
+  CHECK(tiny::blas_core_candidate(keep, nullptr, "Prescott", generic).empty());
+  CHECK(tiny::blas_core_candidate(haswell, nullptr, "Prescott", generic) == "haswell");
+  CHECK(tiny::blas_core_candidate(haswell, nullptr, "Haswell", {}).empty());          // already loaded
+  CHECK(tiny::blas_core_candidate(haswell, nullptr, "SkylakeX", best) == "haswell");  // a named step down is allowed
+  // OPENBLAS_CORETYPE set (by the user, the machine, or the restart itself): nothing is tried, in every mode.
+  for (const tiny::BlasCoreOption& option : {automatic, keep, haswell})
+    CHECK(tiny::blas_core_candidate(option, "Prescott", "Prescott", generic).empty());
+  CHECK(tiny::blas_core_candidate(automatic, "", "Prescott", generic).empty());  // set, even if empty
+  CHECK(tiny::blas_core_candidate(automatic, nullptr, "", generic).empty());     // not OpenBLAS
+}
+
+TEST_CASE("blas kernels: the child's answer is judged strictly") {
+  const tiny::ChildExit ok{.exited = true, .code = 0, .signal = 0, .timed_out = false};
+  const tiny::BlasCheck passed = tiny::judge_blas_self_test("SkylakeX", ok, "core SkylakeX\nok\n");
+  CHECK(passed.passed);
+  CHECK(passed.detail == "sgemm on 9 shapes matches a double reference");
+  CHECK(tiny::judge_blas_self_test("skylakex", ok, "core SkylakeX\nok\n").passed);
+  // OpenBLAS 0.3.21 loads Cooperlake for a name it does not know (warning on stderr): refused.
+  const tiny::BlasCheck unknown =
+      tiny::judge_blas_self_test("SapphireRapids", ok, "Core not found: SapphireRapids\ncore Cooperlake\nok\n");
+  CHECK_FALSE(unknown.passed);
+  CHECK(unknown.detail.find("loaded its Cooperlake kernels, not SapphireRapids") != std::string::npos);
+  const tiny::BlasCheck wrong = tiny::judge_blas_self_test(
+      "Haswell", {.exited = true, .code = 1, .signal = 0, .timed_out = false}, "core Haswell\nmismatch sgemm 3x5x7\n");
+  CHECK_FALSE(wrong.passed);
+  CHECK(wrong.detail == "sgemm 3x5x7");
+  const tiny::BlasCheck crashed = tiny::judge_blas_self_test(
+      "SkylakeX", {.exited = false, .code = 0, .signal = SIGILL, .timed_out = false}, "core SkylakeX\n");
+  CHECK_FALSE(crashed.passed);
+  CHECK(crashed.detail.find("SIGILL") != std::string::npos);
+  CHECK_FALSE(tiny::judge_blas_self_test("SkylakeX", {.exited = false, .code = 0, .signal = 0, .timed_out = true},
+                                         "core SkylakeX\n")
+                  .passed);
+  CHECK_FALSE(tiny::judge_blas_self_test("SkylakeX", ok, "").passed);                 // no answer
+  CHECK_FALSE(tiny::judge_blas_self_test("SkylakeX", ok, "core SkylakeX\n").passed);  // no ok
+  CHECK_FALSE(tiny::judge_blas_self_test("SkylakeX", {.exited = true, .code = 3, .signal = 0, .timed_out = false},
+                                         "core SkylakeX\nok\n")
+                  .passed);  // ok said, but a failing exit status
+}
+
+TEST_CASE("blas kernels: the sgemm check passes OpenBLAS and a float loop, and catches each broken product") {
+  CHECK(tiny::check_sgemm([](auto... args) { tiny::gemm(args...); }) == "");
+  CHECK(tiny::check_sgemm(loop_gemm(Fault::none), 7) == "");  // float rounding is within the tolerance
+  for (Fault fault : {Fault::ignore_beta, Fault::read_c_when_beta_is_zero, Fault::write_padding, Fault::one_element_off,
+                      Fault::drop_last_k}) {
+    const std::string found = tiny::check_sgemm(loop_gemm(fault), 7);
+    INFO("fault " << int(fault) << ": " << found);
+    CHECK(found.rfind("sgemm ", 0) == 0);
+  }
+  CHECK(tiny::check_sgemm(loop_gemm(Fault::write_padding)).find("padding") != std::string::npos);
+}
+
+TEST_CASE("blas kernels: this process's OpenBLAS names kernels the table knows") {
+  const tiny::BlasInfo info = tiny::this_blas();
+#if defined(TINY_HAVE_OPENBLAS_CORENAME)
+  CHECK_FALSE(info.corename.empty());
+  CHECK(info.config.rfind("OpenBLAS ", 0) == 0);
+#if defined(__x86_64__)
+  CHECK(tiny::kernels_simd_level(info.corename) != tiny::SimdLevel::unknown);
+  CHECK(tiny::cpu_simd_level(tiny::this_cpu_features()) != tiny::SimdLevel::unknown);
+#endif
+#endif
+  MESSAGE(tiny::describe_blas(info, tiny::judge_blas_kernels(info.corename, tiny::this_cpu_features()),
+                              std::getenv("OPENBLAS_CORETYPE")));
 }

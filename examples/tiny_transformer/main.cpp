@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "blas_core.hpp"
 #include "tandem/comm/launch_env.hpp"
 #include "train.hpp"
 
@@ -118,7 +119,8 @@ int main(int argc, char** argv) {
   tiny::SortTask sort;
   std::string text_path, csv_path, backend;  // backend: "" chooses (cuda when enough GPUs exist, else host)
   int ranks = 2, epochs = 0, context = 128, eval_examples = 2048;
-  bool compare = false, bf16 = false;
+  bool compare = false, bf16 = false, blas_info = false, blas_self_test = false;
+  std::string blas_core = "auto";
   tiny::PolicyKind policy = tiny::PolicyKind::replicated;
   const std::map<std::string, tiny::PolicyKind> policies{{"replicated", tiny::PolicyKind::replicated},
                                                          {"optimizer-sharded", tiny::PolicyKind::optimizer_sharded},
@@ -157,7 +159,29 @@ int main(int argc, char** argv) {
   app.add_flag("--bf16", bf16, "bf16 parameters and gradients (fp32 master weights in tandem)");
   app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table");
   app.add_option("--csv", csv_path, "also write the results to this CSV file");
+  app.add_option("--blas-core", blas_core,
+                 "OpenBLAS kernels: keep (those OpenBLAS chose), auto (where those are generic for this CPU, better "
+                 "ones that pass a check in a child process), or a name such as SkylakeX or Haswell (checked too); "
+                 "an OPENBLAS_CORETYPE already set always wins")
+      ->capture_default_str();
+  app.add_flag("--blas-info", blas_info, "print which BLAS kernels run (after --blas-core) and exit");
+  app.add_flag(tiny::blas_self_test_flag, blas_self_test)->group("");  // the child process of --blas-core's check
   CLI11_PARSE(app, argc, argv);
+
+  if (blas_self_test) return tiny::blas_self_test();
+  // Before anything else (MPI included): this may restart the program on other OpenBLAS kernels. One report per job.
+  try {
+    tiny::settle_blas_core(tiny::parse_blas_core(blas_core), argv, tandem::detect_launch().rank == 0);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tiny_transformer: %s\n", e.what());
+    return 2;
+  }
+  if (blas_info) {
+    const tiny::BlasInfo info = tiny::this_blas();
+    std::printf("blas library: %s\nblas config: %s\ncpu: %s\n", info.library.c_str(), info.config.c_str(),
+                tiny::simd_name(tiny::cpu_simd_level(tiny::this_cpu_features())));
+    return 0;
+  }
 
 #if defined(TINY_HAVE_MPI)
   // Under mpirun (or srun with MPI), each process is one rank and tandem::Mpi carries the collectives.
