@@ -8,13 +8,21 @@ text, with the same global batch (16 windows of 128 bytes), one rank per core an
 The figure is training throughput: tokens/s over --steps optimizer steps, after --warmup steps that neither side
 times; and, from the same run, tandem's and PyTorch's 1 -> 2 rank scaling.
 
+Both sides run their matrix products on the same OpenBLAS kernels, and the script prints which. OpenBLAS 0.3.21
+falls back to its generic Prescott (SSE3) kernels on CPUs it does not know (Intel's Xeons with AVX-512 and AMX);
+with --blas-core auto (the default) tiny_transformer --blas-info checks better ones in a child process, and when they
+pass, both sides run with OPENBLAS_CORETYPE set to them (PyTorch only if it maps the same OpenBLAS file). An
+OPENBLAS_CORETYPE already set is used by both sides as it is; --blas-core keep leaves OpenBLAS's own choice.
+
 Usage: benchmarks/transformer_vs_pytorch.py --binary build/release/examples/tiny_transformer [--steps 40]
 Needs Debian's python3-torch (a CPU PyTorch) with OpenBLAS installed (libopenblas0), as the tandem example does.
 """
 import argparse
 import csv
+import ctypes
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,6 +49,33 @@ def make_text(path, size=1 << 20):
             out[-1] += "."
     with open(path, "w") as f:
         f.write(" ".join(out)[:size])
+
+
+def openblas_of_this_process():
+    """The OpenBLAS mapped into this process (after import torch): {"core", "config", "library"}, or None."""
+    paths = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and "openblas" in os.path.basename(fields[5].strip()).lower():
+                paths.append(fields[5].strip())
+    for path in dict.fromkeys(paths):  # in order, once each
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: the same handle
+            corename, config = lib.openblas_get_corename, lib.openblas_get_config
+        except (OSError, AttributeError):
+            continue
+        corename.restype = config.restype = ctypes.c_char_p
+        return {"core": corename().decode().strip(), "config": config().decode().strip(),
+                "library": os.path.realpath(path)}
+    return None
+
+
+def describe_openblas(blas):
+    if blas is None:
+        return "no OpenBLAS mapped (see torch.__config__.show() for its BLAS)"
+    version = " ".join(blas["config"].split()[:2]) if blas.get("config") else "OpenBLAS"
+    return f"{blas['core']} kernels of {version} ({os.path.basename(blas['library'])})"
 
 
 # --- PyTorch side --------------------------------------------------------------------------------------------------
@@ -119,7 +154,8 @@ def pytorch_rank(rank, world, port, args, text_path, queue):
         dist.barrier()
     seconds = time.perf_counter() - start
     if rank == 0:
-        queue.put({"seconds": seconds, "loss": loss, "tokens_per_second": args.steps * args.batch * T / seconds})
+        queue.put({"seconds": seconds, "loss": loss, "tokens_per_second": args.steps * args.batch * T / seconds,
+                   "blas": openblas_of_this_process()})
     if world > 1:
         dist.destroy_process_group()
 
@@ -154,13 +190,30 @@ def run_pytorch(world, args, text_path):
 
 # --- tandem side ---------------------------------------------------------------------------------------------------
 
-def run_tandem(ranks, args, text_path, workdir):
+def tandem_blas(args, env):
+    """What tiny_transformer --blas-core MODE --blas-info says: its lines, the kernels it runs on and their library."""
+    cmd = [args.binary, "--blas-core", args.blas_core, "--blas-info"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("blas")]
+    cores = [m.group(1) for m in (re.match(r"blas: (\S+) kernels", line) for line in lines) if m]
+    library = [line.split(": ", 1)[1] for line in lines if line.startswith("blas library: ")]
+    config = [line.split(": ", 1)[1] for line in lines if line.startswith("blas config: ")]
+    if not cores:
+        sys.exit(f"{' '.join(cmd)} did not say which BLAS kernels it runs on:\n{done.stdout}")
+    return {"lines": lines, "core": cores[-1], "library": library[-1] if library else "",
+            "config": config[-1] if config else "",
+            "restarted": any("restarting with OPENBLAS_CORETYPE=" in line for line in lines)}
+
+
+def run_tandem(ranks, args, text_path, workdir, env):
     out = os.path.join(workdir, f"tandem_{ranks}.csv")
-    cmd = [args.binary, "--text", text_path, "--context", str(args.context), "--width", str(args.width), "--layers",
+    cmd = [args.binary, "--blas-core", args.blas_core, "--text", text_path, "--context", str(args.context), "--width", str(args.width), "--layers",
            str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch), "--steps",
            str(args.steps + args.warmup), "--untimed-steps", str(args.warmup), "--ranks", str(ranks), "--policy",
            "replicated", "--lr", "3e-4", "--seed", str(args.seed), "--csv", out]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     with open(out) as f:
         row = next(csv.DictReader(f))
     return {"seconds": float(row["seconds"]), "loss": float(row["final_loss"]),
@@ -179,12 +232,35 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the four runs; the median of each is reported")
+    ap.add_argument("--blas-core", default="auto",
+                    help="keep | auto | NAME: OpenBLAS kernels for both sides, checked by tiny_transformer (default: "
+                         "auto, better ones than generic where they pass); an OPENBLAS_CORETYPE already set wins")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
+    # The same OpenBLAS kernels on both sides: tandem's choice (checked in a child process), given to PyTorch's ranks
+    # through OPENBLAS_CORETYPE when PyTorch maps the same OpenBLAS file, so that the check holds for it too.
+    tandem_env = dict(os.environ)
+    probe = tandem_blas(args, tandem_env)
+    for line in probe["lines"]:
+        print(line)
+    import torch  # noqa: F401  (maps PyTorch's BLAS into this process, to see which file it is)
+    torch_blas = openblas_of_this_process()
+    same_library = torch_blas is not None and torch_blas["library"] == os.path.realpath(probe["library"] or "-")
+    coretype_origin = "set in the environment" if "OPENBLAS_CORETYPE" in os.environ else None
+    if coretype_origin is None and probe["restarted"]:
+        coretype_origin = f"chosen by tiny_transformer --blas-core {args.blas_core}"
+        tandem_env["OPENBLAS_CORETYPE"] = probe["core"]
+        if same_library:
+            os.environ["OPENBLAS_CORETYPE"] = probe["core"]  # inherited by the spawned PyTorch ranks
+        else:
+            print(f"warning: PyTorch maps {describe_openblas(torch_blas)}, not tandem's {probe['library']}: "
+                  f"it keeps its own kernels", file=sys.stderr)
+
     # Rounds of all four runs, interleaved, and the median of each: a shared VM's speed drifts by tens of percent
     # from one minute to the next, and interleaving exposes every run to the same drift.
-    runs = {"tandem_1": lambda: run_tandem(1, args, text, workdir), "tandem_2": lambda: run_tandem(2, args, text, workdir),
+    runs = {"tandem_1": lambda: run_tandem(1, args, text, workdir, tandem_env),
+            "tandem_2": lambda: run_tandem(2, args, text, workdir, tandem_env),
             "pytorch_1": lambda: run_pytorch(1, args, text), "pytorch_2": lambda: run_pytorch(2, args, text)}
     samples = {key: [] for key in runs}
     with tempfile.TemporaryDirectory() as workdir:
@@ -201,8 +277,17 @@ def main():
     results["tandem_scaling"] = results["tandem_2"]["tokens_per_second"] / results["tandem_1"]["tokens_per_second"]
     results["pytorch_scaling"] = results["pytorch_2"]["tokens_per_second"] / results["pytorch_1"]["tokens_per_second"]
     results["config"] = vars(args) | {"vocab": 256, "mlp_ratio": 4}
+    pytorch_blas = results["pytorch_2"].get("blas")
+    results["blas"] = {"tandem": {k: probe[k] for k in ("core", "config", "library")}, "pytorch": pytorch_blas,
+                       "OPENBLAS_CORETYPE": tandem_env.get("OPENBLAS_CORETYPE"), "origin": coretype_origin}
 
-    print(f"{'run (median of ' + str(args.rounds) + ' rounds)':<32} {'tokens/s':>10} {'seconds':>9}")
+    coretype = tandem_env.get("OPENBLAS_CORETYPE")
+    print(f"\nBLAS: tandem on {describe_openblas(probe)}; PyTorch on {describe_openblas(pytorch_blas)}; "
+          + (f"OPENBLAS_CORETYPE={coretype}, {coretype_origin}" if coretype else "OPENBLAS_CORETYPE unset"))
+    if pytorch_blas is not None and pytorch_blas["core"].lower() != probe["core"].lower():
+        print("warning: the two sides ran on different BLAS kernels: the comparison is not like for like",
+              file=sys.stderr)
+    print(f"\n{'run (median of ' + str(args.rounds) + ' rounds)':<32} {'tokens/s':>10} {'seconds':>9}")
     for key, name in [("tandem_1", "tandem, 1 rank"), ("tandem_2", "tandem, 2 ranks (Replicated)"),
                       ("pytorch_1", "PyTorch, 1 process"), ("pytorch_2", "PyTorch DDP gloo, 2 processes")]:
         print(f"{name:<32} {results[key]['tokens_per_second']:>10.0f} {results[key]['seconds']:>9.2f}")
