@@ -24,6 +24,11 @@
 #include <typeinfo>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 #include "tandem/comm/local_group.hpp"
 
 namespace {
@@ -494,6 +499,52 @@ TEST_CASE("LocalGroup runs many mixed collectives back to back") {
   CHECK(wrong.load() == 0);
 }
 
+#if defined(__linux__)
+TEST_CASE("LocalGroup counts the CPUs its ranks may run on, not the machine's, and completes on one CPU") {
+  // Ranks confined to fewer CPUs than there are ranks (taskset, an MPI launcher's binding) are oversubscribed even on
+  // a machine with cores to spare: a waiter spinning there keeps the only CPU from the rank it waits for. LocalGroup
+  // used to count the machine's CPUs, and every collective of two ranks bound to one CPU took a spin budget.
+  cpu_set_t mask;
+  REQUIRE(sched_getaffinity(0, sizeof(mask), &mask) == 0);
+  const int cpus = CPU_COUNT(&mask);
+  CHECK(tandem::detail::usable_cpus() == static_cast<unsigned>(cpus));
+  CHECK(tandem::detail::LocalGroupState(cpus, 1s).oversubscribed() == false);
+  CHECK(tandem::detail::LocalGroupState(cpus + 1, 1s).oversubscribed());
+
+  int first = 0;
+  while (!CPU_ISSET(first, &mask)) ++first;
+  const int size = 3;
+  const int rounds = 200;
+  int set_affinity = -1;
+  unsigned confined_cpus = 0;
+  bool confined_oversubscribed = false;
+  std::atomic<int> wrong{0};
+  std::thread confined([&] {  // its affinity passes to the ranks' threads
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    set_affinity = pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+    confined_cpus = tandem::detail::usable_cpus();
+    confined_oversubscribed = tandem::detail::LocalGroupState(2, 1s).oversubscribed();
+    LocalGroup(size).run([&](LocalComm& comm) {
+      std::vector<float> a(33);
+      for (int round = 0; round < rounds; ++round) {
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(comm.rank() * round + static_cast<int>(i));
+        comm.all_reduce(a.data(), a.data(), a.size(), DType::fp32, ReduceOp::sum);
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          if (a[i] != static_cast<float>(size * (size - 1) / 2 * round + size * static_cast<int>(i))) ++wrong;
+        }
+      }
+    });
+  });
+  confined.join();
+  REQUIRE(set_affinity == 0);
+  CHECK(confined_cpus == 1);
+  CHECK(confined_oversubscribed);
+  CHECK(wrong.load() == 0);
+}
+#endif
+
 // --- Errors: nobody hangs --------------------------------------------------------------------------------------------
 
 /// Runs body on `size` ranks; each rank's tandem::error message and exact type are recorded, and run() must
@@ -635,7 +686,7 @@ struct BodyFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-TEST_CASE("LocalGroup: a rank that throws releases the others with peer_error; run() rethrows the original") {
+TEST_CASE("LocalGroup: a rank that throws releases the others with peer_error, and run() rethrows the original") {
   std::vector<std::string> peer(4);
   const auto start = Clock::now();
   LocalGroup group(4);  // the default timeout (5 min): only the abort can release the waiters in time

@@ -17,10 +17,12 @@
 // output (ranks outer, elements inner, so the loops vectorize), which makes the in-place forms safe. all_gather: each
 // rank fills its own recv from every rank's send; broadcast: each rank copies the root's send.
 //
-// The barrier counts generations; a waiter spins briefly, then sleeps on a condition variable. The first barrier of
-// a call can be interrupted: when a rank's body throws, the group is aborted and waiters throw peer_error; after
-// options.timeout a waiter throws timeout_error naming the ranks that did not arrive, and aborts the group. The second
-// barrier cannot be interrupted: once every rank is past the first, every rank is bound to reach it.
+// The barrier counts generations. A waiter polls it: a microsecond with a pause between reads (not when the ranks
+// outnumber the CPUs they may run on), then yielding its core between reads; after a millisecond it sleeps on a
+// condition variable. The first barrier of a call can be interrupted: when a rank's body throws, the group is aborted
+// and waiters throw peer_error; after options.timeout a waiter throws timeout_error naming the ranks that did not
+// arrive, and aborts the group. The second barrier cannot be interrupted: once every rank is past the first, every
+// rank is bound to reach it.
 #pragma once
 
 #include <algorithm>
@@ -41,6 +43,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/dtype.hpp"
@@ -152,22 +158,23 @@ inline ByteRange write_range(const LocalCall& c, int size) {
 /// Checks one rank's own arguments; returns why they are rejected, or "" when they are fine.
 inline std::string check_call(const LocalCall& c, int rank, int size) {
   if (c.kind == LocalCallKind::barrier) return {};
-  const std::string where =
-      std::string("tandem: ") + local_call_name(c.kind) + " on rank " + std::to_string(rank) + ": ";
+  const auto where = [&] {  // built only for a rejection: an accepted call allocates nothing
+    return std::string("tandem: ") + local_call_name(c.kind) + " on rank " + std::to_string(rank) + ": ";
+  };
   const auto dtype_index = static_cast<unsigned>(c.dtype);
   if (dtype_index > static_cast<unsigned>(DType::fp64)) {
-    return where + "`dtype` is " + std::to_string(dtype_index) + ", not one of DType::fp32, bf16, fp16, fp64";
+    return where() + "`dtype` is " + std::to_string(dtype_index) + ", not one of DType::fp32, bf16, fp16, fp64";
   }
   if (is_reduction(c.kind) && c.op != ReduceOp::sum && c.op != ReduceOp::avg) {
-    return where + "`op` is " + std::to_string(static_cast<int>(c.op)) + ", not ReduceOp::sum or ReduceOp::avg";
+    return where() + "`op` is " + std::to_string(static_cast<int>(c.op)) + ", not ReduceOp::sum or ReduceOp::avg";
   }
   if (c.kind == LocalCallKind::broadcast && (c.root < 0 || c.root >= size)) {
-    return where + "`root` is " + std::to_string(c.root) + " but the group has " + std::to_string(size) +
+    return where() + "`root` is " + std::to_string(c.root) + " but the group has " + std::to_string(size) +
            " ranks; pass a root in [0, " + std::to_string(size) + ")";
   }
   const std::size_t elem = dtype_size(c.dtype);
   if (c.count > std::numeric_limits<std::size_t>::max() / elem / static_cast<std::size_t>(size)) {
-    return where + "`count` " + std::to_string(c.count) + " is too large: " + std::to_string(size) + " x count " +
+    return where() + "`count` " + std::to_string(c.count) + " is too large: " + std::to_string(size) + " x count " +
            dtype_name(c.dtype) + " elements do not fit in the address space";
   }
   if (c.count == 0) return {};  // a valid no-op: the pointers are not used
@@ -179,11 +186,11 @@ inline std::string check_call(const LocalCall& c, int rank, int size) {
     return sharded ? std::to_string(size) + " x " + std::to_string(c.count) : std::to_string(c.count);
   };
   if (reads_send && c.send == nullptr) {
-    return where + "`send` is null but count is " + std::to_string(c.count) + "; pass a buffer of " +
+    return where() + "`send` is null but count is " + std::to_string(c.count) + "; pass a buffer of " +
            elements(sharded_send) + " " + dtype_name(c.dtype) + " elements";
   }
   if (c.recv == nullptr) {
-    return where + "`recv` is null but count is " + std::to_string(c.count) + "; pass a buffer of " +
+    return where() + "`recv` is null but count is " + std::to_string(c.count) + "; pass a buffer of " +
            elements(sharded_recv) + " " + dtype_name(c.dtype) + " elements";
   }
   if (!reads_send) return {};
@@ -209,7 +216,7 @@ inline std::string check_call(const LocalCall& c, int rank, int size) {
       break;
   }
   if (!in_place && overlap(read_range(c, rank, size), write_range(c, size))) {
-    return where + "`send` and `recv` overlap but are not the in-place form (" + form +
+    return where() + "`send` and `recv` overlap but are not the in-place form (" + form +
            "); pass disjoint buffers or exactly the in-place form";
   }
   return {};
@@ -284,11 +291,15 @@ void local_reduce_block(const LocalCall* calls, int size, std::size_t src, std::
                         int dst_last, std::size_t dst, local_accumulator_t<T>* __restrict acc, StoreHint hint) {
   using Acc = local_accumulator_t<T>;
   const std::size_t n = Fixed != 0 ? Fixed : m;
-  {
+  if (size > 1) {  // the first two ranks in one pass: one trip through acc fewer, the same additions in the same order
+    const T* __restrict s0 = static_cast<const T*>(calls[0].send) + src;
+    const T* __restrict s1 = static_cast<const T*>(calls[1].send) + src;
+    for (std::size_t i = 0; i < n; ++i) acc[i] = convert<Acc>(s0[i]) + convert<Acc>(s1[i]);
+  } else {
     const T* __restrict s = static_cast<const T*>(calls[0].send) + src;
     for (std::size_t i = 0; i < n; ++i) acc[i] = convert<Acc>(s[i]);
   }
-  for (int q = 1; q < size; ++q) {
+  for (int q = 2; q < size; ++q) {
     const T* __restrict s = static_cast<const T*>(calls[q].send) + src;
     for (std::size_t i = 0; i < n; ++i) acc[i] += convert<Acc>(s[i]);
   }
@@ -387,6 +398,28 @@ inline void local_pause() {
 #endif
 }
 
+/// A waiter polls with a pause between reads for local_spin_time (only while every rank has a CPU of its own), then
+/// yields its core between reads, and sleeps on the condition variable once it has waited local_poll_time. Polling ends
+/// a short wait within a fraction of a microsecond; a sleep costs the waker a system call and the sleeper tens of
+/// microseconds to be scheduled again, which only long waits can afford. The pause-only spin lasts about as long as a
+/// yield and a switch to another thread, no longer: wherever the scheduler put two ranks on one core (taskset, an MPI
+/// launcher's binding, other processes' load: busy waiters count as load, so a loaded machine stacks them), it keeps
+/// the core from the rank being waited for, and a yield hands that rank the core at once. On a core nothing else
+/// wants, a yield returns at once.
+inline constexpr std::chrono::microseconds local_spin_time{1};
+inline constexpr std::chrono::microseconds local_poll_time{1000};
+
+/// The CPUs the calling thread may run on: its affinity mask where the platform has one (taskset, cgroup cpusets, an
+/// MPI launcher's process binding all narrow it), else std::thread::hardware_concurrency(); 0 when unknown.
+inline unsigned usable_cpus() {
+#if defined(__linux__) && defined(CPU_COUNT)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
+#endif
+  return std::thread::hardware_concurrency();  // more CPUs than a cpu_set_t holds, or no affinity masks here
+}
+
 /// Whether a barrier wait can be interrupted by an abort, a departed rank, or the timeout.
 enum class LocalWait : std::uint8_t { interruptible, uninterruptible };
 
@@ -401,15 +434,17 @@ class LocalGroupState {
         timeout_(timeout),
         slots_(2 * static_cast<std::size_t>(size)),
         arrived_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(size))) {
-    const unsigned cores = std::thread::hardware_concurrency();
-    // More ranks than cores: a spinning waiter takes the core from the rank it waits for; yield a few times only.
-    oversubscribed_ = cores != 0 && static_cast<unsigned>(size) > cores;
-    spin_limit_ = oversubscribed_ ? 16 : 4096;
+    // The rank threads inherit the caller's affinity. With more ranks than CPUs, a waiter that spins keeps the core
+    // from the rank it waits for.
+    const unsigned cpus = usable_cpus();
+    oversubscribed_ = cpus != 0 && static_cast<unsigned>(size) > cpus;
   }
   LocalGroupState(const LocalGroupState&) = delete;
   LocalGroupState& operator=(const LocalGroupState&) = delete;
 
   int size() const { return size_; }
+  /// Whether the ranks outnumber the CPUs they may run on: then a waiter yields its core from the start.
+  bool oversubscribed() const { return oversubscribed_; }
 
   /// Rank `rank`'s slot for its call number `seq` (slots alternate with the parity of seq).
   LocalCall& slot(std::uint64_t seq, int rank) { return slots_[first_slot(seq) + static_cast<std::size_t>(rank)]; }
@@ -440,27 +475,21 @@ class LocalGroupState {
       wake_.notify_all();
       return;
     }
-    for (int i = 0; i < spin_limit_; ++i) {
-      if (generation_.load(std::memory_order_acquire) != gen) return;
-      if (interruptible && stop_.load(std::memory_order_relaxed)) break;  // decided under the lock below
-      if (oversubscribed_) {
-        std::this_thread::yield();
-      } else {
-        local_pause();
-      }
-    }
-    std::unique_lock<std::mutex> lock(mutex_);
+    const auto start = std::chrono::steady_clock::now();
     const auto released = [&] {
       return generation_.load(std::memory_order_acquire) != gen ||
              (interruptible && stop_.load(std::memory_order_relaxed));
     };
-    const auto now = std::chrono::steady_clock::now();
+    if (poll(released, start)) {
+      if (generation_.load(std::memory_order_acquire) != gen) return;
+    }  // else stopped, or waited too long to poll on: decided under the lock below
+    std::unique_lock<std::mutex> lock(mutex_);
     const bool bounded = interruptible && timeout_ < std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                         std::chrono::steady_clock::time_point::max() - now);
+                                                         std::chrono::steady_clock::time_point::max() - start);
     if (!bounded) {
       wake_.wait(lock, released);
     } else {
-      while (!wake_.wait_until(lock, now + timeout_, released)) {
+      while (!wake_.wait_until(lock, start + timeout_, released)) {
         std::vector<int> missing = missing_ranks(gen);
         if (missing.empty()) {  // all arrived; the last one is about to release us
           wake_.wait(lock, released);
@@ -519,6 +548,26 @@ class LocalGroupState {
   }
 
  private:
+  /// Polls `released` until it holds (returns true) or until local_poll_time after `start` (returns false): for
+  /// local_spin_time with a pause between reads (skipped when oversubscribed), then yielding the core between reads to
+  /// whichever thread the scheduler has waiting for it, perhaps the rank being waited for.
+  template <class Released>
+  bool poll(const Released& released, std::chrono::steady_clock::time_point start) const {
+    using std::chrono::steady_clock;
+    if (!oversubscribed_) {
+      for (unsigned i = 1;; ++i) {
+        if (released()) return true;
+        local_pause();
+        if (i % 8 == 0 && steady_clock::now() - start >= local_spin_time) break;  // the clock every 8 pauses
+      }
+    }
+    for (;;) {
+      if (released()) return true;
+      std::this_thread::yield();
+      if (steady_clock::now() - start >= local_poll_time) return released();
+    }
+  }
+
   std::size_t first_slot(std::uint64_t seq) const {
     return static_cast<std::size_t>(seq & 1) * static_cast<std::size_t>(size_);
   }
@@ -567,7 +616,6 @@ class LocalGroupState {
   const int size_;
   const std::chrono::milliseconds timeout_;
   bool oversubscribed_ = false;
-  int spin_limit_ = 0;
   std::vector<LocalCall> slots_;                           // [parity][rank]
   std::unique_ptr<std::atomic<std::uint64_t>[]> arrived_;  // per rank: 1 + the last generation it arrived in
   alignas(64) std::atomic<int> waiting_{0};                // ranks arrived in the current generation
