@@ -6,9 +6,15 @@
 // x_MPI_Allreduce = time of MPI_Allreduce / time of this row at the same size (> 1: faster than MPI).
 //
 // Every rank must run the same benchmarks with the same iteration counts, so each case has a fixed iteration count
-// (Google Benchmark calls it once) and the time reported is the slowest rank's. Only rank 0 prints. The LocalGroup
-// rows run on rank 0 alone (its threads are the ranks) while the other processes sleep, so that they do not compete
-// for the cores.
+// (Google Benchmark calls it once) and the time reported is the slowest rank's. Only rank 0 prints.
+//
+// The LocalGroup rows run in rank 0 alone (its threads are the ranks) while the other processes sleep, waking every
+// 10 ms to look for rank 0's word, so that they do not compete for the cores. LocalGroup's rank r runs on the CPUs
+// MPI process r was bound to: Open MPI binds each of two processes to a core of its own, and threads inherit their
+// process's binding, so without this LocalGroup's two ranks would share rank 0's one core while MPI's two ranks had
+// two. Rank 0's main thread takes the union of the processes' CPUs while the group starts (LocalGroup counts the
+// CPUs its ranks may use), and its own again after. Where the processes are not all on one host, or off Linux, the
+// threads keep rank 0's CPUs.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
@@ -19,6 +25,11 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "tandem/comm/local_group.hpp"
 #include "tandem/comm/mpi.hpp"
@@ -43,6 +54,7 @@ int world_size() {
 }
 
 /// Ranks other than 0 wait here, sleeping, until rank 0 sends a word: no spinning MPI_Barrier beside its threads.
+/// They look every 10 ms, so that their wake-ups barely interrupt the LocalGroup rank running on their CPU.
 void idle_until_rank0_done() {
   int token = 0;
   if (world_rank() == 0) {
@@ -53,8 +65,69 @@ void idle_until_rank0_done() {
   MPI_Irecv(&token, 1, MPI_INT, 0, 99, MPI_COMM_WORLD, &r);
   int done = 0;
   while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
+
+/// Where each MPI process may run, so that LocalGroup's rank r runs there too (see the top of the file).
+class Placement {
+ public:
+#if defined(__linux__)
+  /// Collective: every process passes its CPU mask to rank 0.
+  Placement() {
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int node_size = 0;
+    MPI_Comm_size(node, &node_size);
+    MPI_Comm_free(&node);
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    int ok = sched_getaffinity(0, sizeof(mine), &mine) == 0 && node_size == world_size() ? 1 : 0;
+    int all_ok = 0;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    masks_.resize(static_cast<std::size_t>(world_size()));
+    MPI_Gather(&mine, sizeof(cpu_set_t), MPI_BYTE, masks_.data(), sizeof(cpu_set_t), MPI_BYTE, 0, MPI_COMM_WORLD);
+    usable_ = all_ok == 1;
+    CPU_ZERO(&union_);
+    for (const cpu_set_t& m : masks_) CPU_OR(&union_, &union_, &m);
+  }
+
+  /// Rank 0's main thread may run on every process's CPUs while it lives.
+  class Widened {
+   public:
+    explicit Widened(const Placement& p) : active_(p.usable_) {
+      CPU_ZERO(&saved_);
+      if (active_) active_ = pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) == 0;
+      if (active_) pthread_setaffinity_np(pthread_self(), sizeof(p.union_), &p.union_);
+    }
+    ~Widened() {
+      if (active_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+    }
+    Widened(const Widened&) = delete;
+    Widened& operator=(const Widened&) = delete;
+
+   private:
+    bool active_;
+    cpu_set_t saved_;
+  };
+
+  /// The calling thread, LocalGroup's rank `rank`, runs where MPI process `rank` runs.
+  void bind(int rank) const {
+    if (usable_) pthread_setaffinity_np(pthread_self(), sizeof(cpu_set_t), &masks_[static_cast<std::size_t>(rank)]);
+  }
+
+ private:
+  bool usable_ = false;
+  std::vector<cpu_set_t> masks_;  // per process; rank 0's copy only
+  cpu_set_t union_;
+#else
+  struct Widened {
+    explicit Widened(const Placement&) {}
+  };
+  void bind(int) const {}
+#endif
+};
+
+std::unique_ptr<Placement> g_placement;
 
 void BM_all_reduce(benchmark::State& state, Impl impl) {
   const std::int64_t bytes = state.range(0);
@@ -64,7 +137,9 @@ void BM_all_reduce(benchmark::State& state, Impl impl) {
   double seconds = 0;
   if (impl == Impl::local_group) {
     if (world_rank() == 0) {
+      const Placement::Widened wide(*g_placement);
       tandem::LocalGroup(n).run([&](tandem::LocalComm& comm) {
+        g_placement->bind(comm.rank());
         std::vector<float> send(count, 1.0f + static_cast<float>(comm.rank())), recv(count);
         comm.all_reduce(send.data(), recv.data(), count, tandem::DType::fp32, tandem::ReduceOp::sum);  // warm up
         comm.barrier();
@@ -136,6 +211,7 @@ int main(int argc, char** argv) {
   int status = 0;
   {
     g_comm = std::make_unique<tandem::Mpi>(MPI_COMM_WORLD);
+    g_placement = std::make_unique<Placement>();
     benchmark::Initialize(&argc, argv);
     register_all();
     if (world_rank() == 0) {
@@ -145,6 +221,7 @@ int main(int argc, char** argv) {
       benchmark::RunSpecifiedBenchmarks(&quiet);
     }
     benchmark::Shutdown();
+    g_placement.reset();
     g_comm.reset();
   }
   MPI_Finalize();
