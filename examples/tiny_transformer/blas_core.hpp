@@ -289,11 +289,13 @@ std::string check_sgemm(Gemm&& gemm, std::uint64_t seed = 1) {
     for (int i = 0; i < s.m; ++i)
       for (int j = 0; j < ldc; ++j) {
         const std::size_t at = std::size_t(i) * ldc + j;
-        const std::string where = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
-                                  (s.ta == Trans::yes ? " A^T" : "") + (s.tb == Trans::yes ? " B^T" : "") +
-                                  ", element (" + std::to_string(i) + ", " + std::to_string(j) + ")";
+        auto where = [&] {  // built only for the message
+          return std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
+                 (s.ta == Trans::yes ? " A^T" : "") + (s.tb == Trans::yes ? " B^T" : "") + ", element (" +
+                 std::to_string(i) + ", " + std::to_string(j) + ")";
+        };
         if (j >= s.n) {
-          if (c[at] != pad_value) return "sgemm " + where + ": wrote past n into the padding";
+          if (c[at] != pad_value) return "sgemm " + where() + ": wrote past n into the padding";
           continue;
         }
         double sum = 0, magnitude = 0;
@@ -308,7 +310,7 @@ std::string check_sgemm(Gemm&& gemm, std::uint64_t seed = 1) {
         const double tolerance =
             (s.k + 2) * double(FLT_EPSILON) * (std::abs(double(s.alpha)) * magnitude + std::abs(beta_c)) + 1e-30;
         if (!(std::abs(double(c[at]) - expected) <= tolerance))  // NaN fails too
-          return "sgemm " + where + ": " + std::to_string(c[at]) + ", expected " + std::to_string(expected);
+          return "sgemm " + where() + ": " + std::to_string(c[at]) + ", expected " + std::to_string(expected);
       }
   }
   return {};
@@ -333,7 +335,7 @@ inline constexpr int blas_check_seconds = 60;
 
 /// The child's answer (its output: "core NAME", then "ok" or "mismatch WHAT") and how it ended, as a verdict on the
 /// candidate kernels.
-inline BlasCheck judge_blas_self_test(std::string_view candidate, const ChildExit& exit, std::string_view output) {
+inline BlasCheck judge_blas_self_test(std::string_view candidate, const ChildExit& ended, std::string_view output) {
   std::string loaded, mismatch;
   bool ok = false;
   for (std::size_t at = 0; at < output.size();) {
@@ -344,19 +346,19 @@ inline BlasCheck judge_blas_self_test(std::string_view candidate, const ChildExi
     if (line == "ok") ok = true;
     at = end + 1;
   }
-  if (exit.timed_out) return {false, "the check did not finish in " + std::to_string(blas_check_seconds) + " s"};
-  if (!exit.exited) {
-    std::string why = "the check crashed (signal " + std::to_string(exit.signal);
-    if (exit.signal == SIGILL) why += ", SIGILL: these kernels use an instruction this CPU lacks";
-    if (exit.signal == SIGSEGV) why += ", SIGSEGV";
+  if (ended.timed_out) return {false, "the check did not finish in " + std::to_string(blas_check_seconds) + " s"};
+  if (!ended.exited) {
+    std::string why = "the check crashed (signal " + std::to_string(ended.signal);
+    if (ended.signal == SIGILL) why += ", SIGILL: these kernels use an instruction this CPU lacks";
+    if (ended.signal == SIGSEGV) why += ", SIGSEGV";
     return {false, why + ")"};
   }
-  if (loaded.empty()) return {false, "the check gave no answer (exit status " + std::to_string(exit.code) + ")"};
+  if (loaded.empty()) return {false, "the check gave no answer (exit status " + std::to_string(ended.code) + ")"};
   if (!equal_ignoring_case(loaded, candidate))
     return {false, "OpenBLAS loaded its " + loaded + " kernels, not " + std::string(candidate) +
                        " (a name this OpenBLAS does not know, or a build with only one set of kernels)"};
   if (!mismatch.empty()) return {false, mismatch};
-  if (exit.code != 0 || !ok) return {false, "the check failed (exit status " + std::to_string(exit.code) + ")"};
+  if (ended.code != 0 || !ok) return {false, "the check failed (exit status " + std::to_string(ended.code) + ")"};
   return {true, "sgemm on " + std::to_string(std::size(blas_check_shapes)) + " shapes matches a double reference"};
 }
 
@@ -466,7 +468,7 @@ inline BlasCheck check_blas_core_in_child(const std::string& candidate) {
     return {false, "could not start the check (posix_spawn: error " + std::to_string(spawned) + ")"};
   }
   std::string output;
-  ChildExit exit;
+  ChildExit ended;
   for (int waited_ms = 0;;) {
     pollfd p{fds[0], POLLIN, 0};
     const int ready = poll(&p, 1, 100);
@@ -477,7 +479,7 @@ inline BlasCheck check_blas_core_in_child(const std::string& candidate) {
       output.append(buffer, std::size_t(got));
     } else if ((waited_ms += 100) >= blas_check_seconds * 1000) {
       kill(pid, SIGKILL);
-      exit.timed_out = true;
+      ended.timed_out = true;
       break;
     }
   }
@@ -485,12 +487,12 @@ inline BlasCheck check_blas_core_in_child(const std::string& candidate) {
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  if (!exit.timed_out) {
-    exit.exited = WIFEXITED(status);
-    exit.code = exit.exited ? WEXITSTATUS(status) : 0;
-    exit.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  if (!ended.timed_out) {
+    ended.exited = WIFEXITED(status);
+    ended.code = ended.exited ? WEXITSTATUS(status) : 0;
+    ended.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   }
-  return judge_blas_self_test(candidate, exit, output);
+  return judge_blas_self_test(candidate, ended, output);
 #else
   return {false, "checking kernels in a child process is implemented for Linux only"};
 #endif
