@@ -3,7 +3,8 @@
 # tandem's optional CUDA and NCCL targets. Included by the build tree (CMakeLists.txt) and by the installed
 # tandemConfig.cmake, so that both define them the same way:
 #
-#   tandem::cuda  INTERFACE: tandem::tandem + CUDA::cudart
+#   tandem::cuda  INTERFACE: tandem::tandem + CUDA::cudart + CCCL::CCCL (CUB and libcu++ from the same toolkit, by
+#                 its CCCL package; a toolkit without one gives CUB through its include directory)
 #   tandem::nccl  INTERFACE: tandem::cuda + NCCL (nccl.h and libnccl; looked for next to the CUDA toolkit first,
 #                 then under NCCL_ROOT / NCCL_HOME, then in the system paths)
 #
@@ -21,8 +22,26 @@ set(TANDEM_NCCL_VERSION "")
 if(TARGET CUDA::cudart)
   set(TANDEM_CUDA_FOUND TRUE)
   if(NOT TARGET tandem::cuda)
+    # The toolkit's own CCCL, not another copy on the system: only its cmake directory is searched.
+    if(NOT TARGET CCCL::CCCL)
+      find_package(CCCL CONFIG QUIET COMPONENTS CUB libcudacxx NO_DEFAULT_PATH
+                   PATHS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/lib64/cmake")
+    endif()
     add_library(tandem::cuda INTERFACE IMPORTED ${_tandem_cuda_scope})
     target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart)
+    if(TARGET CCCL::CCCL)
+      target_link_libraries(tandem::cuda INTERFACE CCCL::CCCL)
+      # CCCL's component targets are not imported ones, so their headers would reach a consumer as ordinary
+      # includes (and its warning flags would apply to them): mark them system, as the toolkit's other headers are.
+      foreach(_tandem_cccl IN ITEMS CCCL::CUB CCCL::libcudacxx)
+        if(TARGET ${_tandem_cccl})
+          get_target_property(_tandem_cccl_real ${_tandem_cccl} ALIASED_TARGET)
+          if(_tandem_cccl_real)
+            set_property(TARGET ${_tandem_cccl_real} PROPERTY SYSTEM TRUE)
+          endif()
+        endif()
+      endforeach()
+    endif()
   endif()
 
   find_path(

@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # Builds and runs tests/consumer against tandem, from ctest (tests consumer_package / consumer_subdirectory):
-#   cmake -DMODE=package|subdirectory -DSOURCE_DIR=<tandem source> -DCONSUMER_DIR=<tests/consumer>
+#   cmake -DMODE=package|subdirectory|fetchcontent -DSOURCE_DIR=<tandem source> -DCONSUMER_DIR=<tests/consumer>
 #         -DWORK_DIR=<scratch dir> -DGENERATOR=<generator> [-DMAKE_PROGRAM=<ninja>] [-DCXX_COMPILER=<c++>]
 #         [-DBUILD_TYPE=<config>] [-DVERSION=<tandem version>] -P run_consumer.cmake
 # package:      configure tandem (tests, examples, benchmarks and CUDA off), install it into WORK_DIR/prefix, then
 #               build the consumer with find_package(tandem VERSION) against that prefix.
-# subdirectory: build the consumer with add_subdirectory(SOURCE_DIR), CUDA off; tandem's tests must default OFF.
-# Both then run the consumer and check that it prints "tandem VERSION".
+# subdirectory: build the consumer with add_subdirectory(SOURCE_DIR); fetchcontent: with FetchContent from SOURCE_DIR.
+#               In both, tandem's tests, examples and benchmarks must default OFF; tandem must not enable CUDA nor
+#               write CUDA settings into the cache (the consumer is C++ only; nvcc may exist); and the consumer must
+#               see tandem's headers as system headers.
+# All then run the consumer and check that it prints "tandem VERSION".
 cmake_minimum_required(VERSION 3.25)
 
 foreach(var IN ITEMS MODE SOURCE_DIR CONSUMER_DIR WORK_DIR GENERATOR)
@@ -29,7 +32,7 @@ function(run step)
   set(run_output "${out}" PARENT_SCOPE)
 endfunction()
 
-set(common_args -G "${GENERATOR}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}" -DTANDEM_ENABLE_CUDA=OFF)
+set(common_args -G "${GENERATOR}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
 if(MAKE_PROGRAM)
   list(APPEND common_args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
 endif()
@@ -45,7 +48,7 @@ if(MODE STREQUAL "package")
   set(tandem_build "${WORK_DIR}/tandem-build")
   set(prefix "${WORK_DIR}/prefix")
   run("configure tandem" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${tandem_build}" ${common_args}
-      -DTANDEM_BUILD_TESTS=OFF -DTANDEM_BUILD_EXAMPLES=OFF -DTANDEM_BUILD_BENCHMARKS=OFF
+      -DTANDEM_ENABLE_CUDA=OFF -DTANDEM_BUILD_TESTS=OFF -DTANDEM_BUILD_EXAMPLES=OFF -DTANDEM_BUILD_BENCHMARKS=OFF
       "-DCMAKE_INSTALL_PREFIX=${prefix}")
   run("build tandem" "${CMAKE_COMMAND}" --build "${tandem_build}" --config "${BUILD_TYPE}")
   run("install tandem" "${CMAKE_COMMAND}" --install "${tandem_build}" --config "${BUILD_TYPE}")
@@ -58,16 +61,27 @@ if(MODE STREQUAL "package")
   if(NOT at GREATER -1)
     message(FATAL_ERROR "consumer (package): find_package(tandem) used ${found_dir}, not the install in ${prefix}")
   endif()
-elseif(MODE STREQUAL "subdirectory")
+elseif(MODE MATCHES "^(subdirectory|fetchcontent)$")
   run("configure consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${consumer_build}" ${common_args}
-      -DTANDEM_CONSUMER_MODE=subdirectory "-DTANDEM_SOURCE_DIR=${SOURCE_DIR}")
-  # As a subproject, tandem must not build its tests, examples or benchmarks by default.
+      -DTANDEM_CONSUMER_MODE=${MODE} "-DTANDEM_SOURCE_DIR=${SOURCE_DIR}")
+  # As a subproject, tandem must not build its tests, examples or benchmarks by default ...
   file(STRINGS "${consumer_build}/CMakeCache.txt" on_by_default REGEX "^TANDEM_BUILD_[A-Z]+:BOOL=ON$")
   if(on_by_default)
-    message(FATAL_ERROR "consumer (subdirectory): defaults must be OFF for a subproject, got: ${on_by_default}")
+    message(FATAL_ERROR "consumer (${MODE}): defaults must be OFF for a subproject, got: ${on_by_default}")
+  endif()
+  # ... nor enable a language or choose architectures for its consumer ...
+  file(STRINGS "${consumer_build}/CMakeCache.txt" cuda_settings REGEX "^CMAKE_CUDA_[A-Z_]+:")
+  if(cuda_settings)
+    message(FATAL_ERROR "consumer (${MODE}): tandem enabled CUDA or wrote CUDA settings: ${cuda_settings}")
+  endif()
+  # ... and its headers are system headers to the consumer (their warnings are not the consumer's).
+  file(READ "${consumer_build}/compile_commands.json" commands)
+  string(FIND "${commands}" "-isystem ${SOURCE_DIR}/include" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "consumer (${MODE}): tandem's include directory is not a system one:\n${commands}")
   endif()
 else()
-  message(FATAL_ERROR "run_consumer.cmake: MODE must be 'package' or 'subdirectory' (got '${MODE}')")
+  message(FATAL_ERROR "run_consumer.cmake: MODE must be package, subdirectory or fetchcontent (got '${MODE}')")
 endif()
 
 run("build consumer" "${CMAKE_COMMAND}" --build "${consumer_build}" --config "${BUILD_TYPE}")

@@ -16,19 +16,36 @@
 #define TANDEM_UNROLL
 #endif
 
+// Marks host code that runs once or only on failure (construction, validation, error messages, checkpoint I/O): the
+// compiler optimizes it for size and keeps it out of the hot paths' way. Most of a header-only library's compile
+// time is code generation of such code in every translation unit that uses it.
+#if defined(__GNUC__) || defined(__clang__)
+#define TANDEM_COLD [[gnu::cold]]
+#else
+#define TANDEM_COLD
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define TANDEM_IN_DEVICE_CODE 1
 #else
 #define TANDEM_IN_DEVICE_CODE 0
 #endif
 
+// The one place of tandem's version: CMakeLists.txt reads these three lines.
 #define TANDEM_VERSION_MAJOR 0
 #define TANDEM_VERSION_MINOR 1
 #define TANDEM_VERSION_PATCH 0
 
+#define TANDEM_DETAIL_STRINGIFY_(x) #x
+#define TANDEM_DETAIL_STRINGIFY(x) TANDEM_DETAIL_STRINGIFY_(x)
+/// The library version as a string literal, "major.minor.patch".
+#define TANDEM_VERSION_STRING                                                                  \
+  TANDEM_DETAIL_STRINGIFY(TANDEM_VERSION_MAJOR) "." TANDEM_DETAIL_STRINGIFY(TANDEM_VERSION_MINOR) "." \
+      TANDEM_DETAIL_STRINGIFY(TANDEM_VERSION_PATCH)
+
 namespace tandem {
 
 /// The library version as "major.minor.patch".
-inline const char* version_string() { return "0.1.0"; }
+inline const char* version_string() { return TANDEM_VERSION_STRING; }
 
 }  // namespace tandem
