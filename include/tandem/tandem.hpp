@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The umbrella header: everything tandem offers on the host backend.
+// The umbrella header: data parallelism on the host backend with LocalGroup (ranks as threads), every policy and
+// optimizer. Launch helpers (tandem/comm/launch_env.hpp, file_rendezvous.hpp), Mpi (tandem/comm/mpi.hpp) and the CUDA
+// parts (tandem/backend/cuda.hpp, tandem/comm/nccl.hpp) are included by name, so that a program pays to compile only
+// what it uses.
 #pragma once
 
 #include "tandem/backend/host.hpp"
 #include "tandem/backend/launch.hpp"
 #include "tandem/comm/communicator.hpp"
-#include "tandem/comm/file_rendezvous.hpp"
-#include "tandem/comm/launch_env.hpp"
 #include "tandem/comm/local_group.hpp"
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/config.hpp"

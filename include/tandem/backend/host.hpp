@@ -24,6 +24,19 @@
 
 namespace tandem {
 
+namespace detail {
+
+/// Runs part(context, p) for p = 0 .. parts-1: part 0 on the calling thread, the others on threads of their own, and
+/// returns when all are done. Not a template, so a launch instantiates only its loop, not the thread machinery.
+inline void run_parts(std::size_t parts, const void* context, void (*part)(const void*, std::size_t)) {
+  std::vector<std::jthread> workers;
+  workers.reserve(parts - 1);
+  for (std::size_t p = 1; p < parts; ++p) workers.emplace_back(part, context, p);
+  part(context, 0);
+}
+
+}  // namespace detail
+
 /// An owning, typed, 64-byte aligned host allocation.
 template <class T>
 class HostBuffer {
@@ -104,15 +117,17 @@ class HostBackend {
       detail::stream_fence();  // order any streaming stores before what follows
       return;
     }
-    std::vector<std::jthread> workers;
-    workers.reserve(parts - 1);
-    auto run = [&](std::size_t p) {
-      const std::size_t begin = items * p / parts, end = items * (p + 1) / parts;
-      for (std::size_t i = begin; i < end; ++i) body(i, 0u, 1u);
-      detail::stream_fence();
+    struct Split {
+      const Body* body;
+      std::size_t items, parts;
     };
-    for (std::size_t p = 1; p < parts; ++p) workers.emplace_back(run, p);
-    run(0);
+    const Split split{&body, items, parts};
+    detail::run_parts(parts, &split, [](const void* context, std::size_t p) {
+      const Split& s = *static_cast<const Split*>(context);
+      const std::size_t begin = s.items * p / s.parts, end = s.items * (p + 1) / s.parts;
+      for (std::size_t i = begin; i < end; ++i) (*s.body)(i, 0u, 1u);
+      detail::stream_fence();
+    });
   }
 
   /// Returns the sum over items of body(item, 0, 1) (a double), added in item order: deterministic.

@@ -99,7 +99,7 @@ struct alignas(64) LocalCall {
 };
 
 /// "all_reduce(count=10, fp32, sum)", "all_gather(count=12, fp32)", "broadcast(count=3, bf16, root=0)", "barrier()".
-inline std::string describe_call(const LocalCall& c) {
+TANDEM_COLD inline std::string describe_call(const LocalCall& c) {
   std::string s = local_call_name(c.kind);
   if (c.kind == LocalCallKind::barrier) return s + "()";
   s += "(count=" + std::to_string(c.count) + ", " + dtype_name(c.dtype);
@@ -155,8 +155,10 @@ inline ByteRange write_range(const LocalCall& c, int size) {
   return byte_range(c.recv, c.kind == LocalCallKind::all_gather ? bytes * static_cast<std::size_t>(size) : bytes);
 }
 
-/// Checks one rank's own arguments; returns why they are rejected, or "" when they are fine.
-inline std::string check_call(const LocalCall& c, int rank, int size) {
+/// Checks one rank's own arguments; returns why they are rejected, or "" when they are fine. The checks of a call
+/// (this, check_cross_rank, check_agreement) are TANDEM_COLD: a few comparisons that cost nothing optimized for size,
+/// beside message building that is most of their code.
+TANDEM_COLD inline std::string check_call(const LocalCall& c, int rank, int size) {
   if (c.kind == LocalCallKind::barrier) return {};
   const auto where = [&] {  // built only for a rejection: an accepted call allocates nothing
     return std::string("tandem: ") + local_call_name(c.kind) + " on rank " + std::to_string(rank) + ": ";
@@ -224,7 +226,7 @@ inline std::string check_call(const LocalCall& c, int rank, int size) {
 
 /// Buffers of different ranks: no rank may write where another rank reads or writes (like NCCL ranks, each rank
 /// needs buffers of its own; here they would race). Returns the error, or "" when the buffers are independent.
-inline std::string check_cross_rank(const LocalCall* calls, int size) {
+TANDEM_COLD inline std::string check_cross_rank(const LocalCall* calls, int size) {
   const char* name = local_call_name(calls[0].kind);
   for (int q = 0; q < size; ++q) {
     const ByteRange written = write_range(calls[q], size);
@@ -250,7 +252,7 @@ inline std::string check_cross_rank(const LocalCall* calls, int size) {
 
 /// The verdict on the published calls, pointers aside (every rank's own arguments were fine and the calls agree): ""
 /// to go ahead, or the message this rank throws. Also used by communicators whose ranks are processes.
-inline std::string check_agreement(const LocalCall* calls, int size, int rank) {
+TANDEM_COLD inline std::string check_agreement(const LocalCall* calls, int size, int rank) {
   if (!calls[rank].rejected.empty()) return calls[rank].rejected;
   for (int q = 0; q < size; ++q) {
     if (calls[q].rejected.empty()) continue;
@@ -587,7 +589,7 @@ class LocalGroupState {
     return missing;
   }
 
-  std::string timeout_message(int rank, const char* what) const {  // "... on rank 0: ranks 2, 3 did not arrive"
+  TANDEM_COLD std::string timeout_message(int rank, const char* what) const {  // "... on rank 0: ranks 2, 3 did not arrive"
     std::string list = timed_out_missing_.size() == 1 ? "rank " : "ranks ";
     for (std::size_t i = 0; i < timed_out_missing_.size(); ++i) {
       list += (i == 0 ? "" : ", ") + std::to_string(timed_out_missing_[i]);
@@ -598,7 +600,7 @@ class LocalGroupState {
 
   /// Throws for a rendezvous that cannot complete (under the lock); `waited` is the generation this rank waited in,
   /// or nullopt when it is entering (or releasing) one.
-  [[noreturn]] void throw_stopped(int rank, const char* what, std::optional<std::uint64_t> waited) const {
+  [[noreturn]] TANDEM_COLD void throw_stopped(int rank, const char* what, std::optional<std::uint64_t> waited) const {
     if (aborted_) {
       // The ranks that waited in the barrier that timed out report the timeout; a rank that arrived late (one of
       // the missing) or enters later reports the failure of the rank that timed out.
@@ -634,7 +636,7 @@ class LocalGroupState {
   std::exception_ptr first_original_;
 };
 
-inline std::string exception_message(const std::exception_ptr& e) {
+TANDEM_COLD inline std::string exception_message(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {

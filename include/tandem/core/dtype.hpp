@@ -184,4 +184,20 @@ decltype(auto) visit_dtype(DType t, F&& f) {
   return f(float{});
 }
 
+/// Calls `f(T{})` with the C++ type of a parameter dtype (float, BFloat16 or Float16): the same as visit_dtype, but
+/// nothing is instantiated for double, which parameters cannot be (Layout rejects fp64); fp64 here is out of contract.
+template <class F>
+decltype(auto) visit_param_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::bf16:
+      return f(BFloat16{});
+    case DType::fp16:
+      return f(Float16{});
+    case DType::fp32:
+    case DType::fp64:
+      break;
+  }
+  return f(float{});
+}
+
 }  // namespace tandem

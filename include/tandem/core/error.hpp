@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "tandem/core/config.hpp"
+
 namespace tandem {
 
 /// Base of every exception tandem throws.
@@ -48,7 +50,7 @@ class peer_error : public error {
 namespace detail {
 
 /// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
-[[noreturn]] inline void fail(std::string what) { throw error(std::move(what)); }
+[[noreturn]] TANDEM_COLD inline void fail(std::string what) { throw error(std::move(what)); }
 
 /// The rank this thread works for, named in errors raised by CUDA, NCCL and MPI calls (-1: not known yet).
 /// Communicators set it when a rank's thread builds them.

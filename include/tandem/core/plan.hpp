@@ -60,7 +60,7 @@ class Plan {
   Plan() = default;
 
   /// Plans buckets for tensors of the given sizes (layout order). Throws tandem::error on bad options.
-  Plan(const std::vector<std::size_t>& numels, const PlanOptions& options) : options_(options) {
+  TANDEM_COLD Plan(const std::vector<std::size_t>& numels, const PlanOptions& options) : options_(options) {
     validate(options);
     if (numels.empty()) detail::fail("tandem: cannot plan an empty layout");
     const std::size_t world = static_cast<std::size_t>(options.world_size);

@@ -41,7 +41,7 @@ class Layout {
   Layout() = default;
 
   /// Validates names, sizes and dtypes; throws tandem::error naming the first bad tensor.
-  explicit Layout(std::vector<TensorSpec> tensors) : tensors_(std::move(tensors)) {
+  TANDEM_COLD explicit Layout(std::vector<TensorSpec> tensors) : tensors_(std::move(tensors)) {
     if (tensors_.empty()) detail::fail("tandem: the layout has no tensors; pass at least one tensor to train");
     std::size_t total = 0;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
@@ -64,7 +64,7 @@ class Layout {
   std::size_t total_numel() const { return total_numel_; }
 
   /// "tensor 7 (`blocks.3.mlp.w`)": how error messages name a tensor.
-  std::string describe(std::size_t i) const {
+  TANDEM_COLD std::string describe(std::size_t i) const {
     return "tensor " + std::to_string(i) + " (`" + (i < tensors_.size() ? tensors_[i].name : std::string("?")) + "`)";
   }
 

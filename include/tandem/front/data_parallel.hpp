@@ -34,7 +34,6 @@
 
 #include "tandem/backend/host.hpp"
 #include "tandem/comm/communicator.hpp"
-#include "tandem/comm/local_group.hpp"
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
@@ -92,6 +91,8 @@ struct MemoryReport {
   friend bool operator==(const MemoryReport&, const MemoryReport&) = default;
 };
 
+class LocalComm;  // <tandem/comm/local_group.hpp>: include it to use the default communicator (the umbrella does)
+
 template <Policy P, Optimizer Opt, class Backend = HostBackend, Communicator Comm = LocalComm>
 class DataParallel {
   static_assert(P::state == StateSharding::replicated || Opt::elementwise,
@@ -123,7 +124,7 @@ class DataParallel {
 
   /// Makes every rank's parameters equal to `root`'s (its buffers, or its views with owned storage) and
   /// re-derives the fp32 master weights from them.
-  void broadcast_parameters(int root = 0) {
+  TANDEM_COLD void broadcast_parameters(int root = 0) {
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
@@ -244,7 +245,7 @@ class DataParallel {
   /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) to `path`,
   /// in a layout independent of the world size and policy (core/checkpoint.hpp). Collective: every rank calls
   /// it; rank 0 writes the file atomically. Call it between optimizer steps, not inside an accumulation window.
-  void save_checkpoint(const std::string& path) {
+  TANDEM_COLD void save_checkpoint(const std::string& path) {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
@@ -291,7 +292,7 @@ class DataParallel {
   /// any policy: the tensors (names, sizes, dtypes) and the optimizer must match. Collective. Every rank reads
   /// and verifies the file before anything is changed; if any rank fails, every rank throws and nothing changed.
   /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
-  void load_checkpoint(const std::string& path) {
+  TANDEM_COLD void load_checkpoint(const std::string& path) {
     std::string problem;
     CheckpointData c;
     try {
@@ -329,7 +330,7 @@ class DataParallel {
   }
 
   /// Bytes this rank holds for training, by category, counted from the actual allocations.
-  MemoryReport memory_report() const {
+  TANDEM_COLD MemoryReport memory_report() const {
     MemoryReport r;
     const std::size_t user_bytes = layout_.total_numel() * psize_;
     r.params = storage_ == Storage::user ? user_bytes : param_flat_.bytes();
@@ -444,7 +445,7 @@ class DataParallel {
 
   /// Every rank's `words` words (mine first), gathered through backend memory (which NCCL needs): rank r's words
   /// at [r * words, (r + 1) * words) of the result. Waits for the work stream.
-  std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
+  TANDEM_COLD std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
     const std::size_t words = mine.size();
     Buffer<std::uint64_t> staging =
         backend_.template allocate<std::uint64_t>(words * (static_cast<std::size_t>(world_) + 1));
@@ -457,7 +458,7 @@ class DataParallel {
 
   // ---- construction -------------------------------------------------------------------------------------
 
-  void construct(std::vector<TensorSpec> specs, Storage storage) {
+  TANDEM_COLD void construct(std::vector<TensorSpec> specs, Storage storage) {
     storage_ = storage;
     world_ = comm_.size();
     rank_ = comm_.rank();
@@ -509,7 +510,7 @@ class DataParallel {
                    std::to_string(layout_.size()) + " tensors");
   }
 
-  void validate_options() const {
+  TANDEM_COLD void validate_options() const {
     if (options_.accumulation_steps < 1)
       detail::fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options_.accumulation_steps) +
                    "; it must be at least 1");
@@ -521,7 +522,7 @@ class DataParallel {
     Opt::validate(optimizer_);
   }
 
-  void validate_tensors() const {
+  TANDEM_COLD void validate_tensors() const {
     const DType first = layout_[0].dtype;
     for (std::size_t i = 0; i < layout_.size(); ++i) {
       if (layout_[i].dtype != first)
@@ -557,7 +558,7 @@ class DataParallel {
   }
 
   /// Every rank passes its own problem (empty: none); every rank throws if any rank had one. Collective.
-  void all_ranks_succeed(const std::string& problem) {
+  TANDEM_COLD void all_ranks_succeed(const std::string& problem) {
     constexpr std::size_t words = 64;
     std::vector<std::uint64_t> mine(words, 0);
     mine[0] = problem.empty() ? 0 : 1;
@@ -573,7 +574,7 @@ class DataParallel {
   }
 
   /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
-  std::vector<float> gather_owned(const float* owned) {
+  TANDEM_COLD std::vector<float> gather_owned(const float* owned) {
     Buffer<float> gathered = backend_.template allocate<float>(plan_.total_size());
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
@@ -589,7 +590,7 @@ class DataParallel {
     return full;
   }
 
-  void check_checkpoint(const CheckpointData& c, const std::string& path) const {
+  TANDEM_COLD void check_checkpoint(const CheckpointData& c, const std::string& path) const {
     const std::string where = "tandem: the checkpoint `" + path + "` ";
     if (c.optimizer != Opt::name || c.state_count != state_count_)
       detail::fail(where + "holds " + c.optimizer + " state (" + std::to_string(c.state_count) +
@@ -609,7 +610,7 @@ class DataParallel {
 
   /// Every rank publishes any local problem, then its layout's fingerprint and configuration; every rank then
   /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
-  void agree_across_ranks(const std::string& problem) {
+  TANDEM_COLD void agree_across_ranks(const std::string& problem) {
     all_ranks_succeed(problem);
     constexpr std::size_t words = 11;
     std::vector<std::uint64_t> mine(words, 0);
@@ -649,7 +650,7 @@ class DataParallel {
     return h;
   }
 
-  std::vector<std::size_t> layout_sizes() const {
+  TANDEM_COLD std::vector<std::size_t> layout_sizes() const {
     std::vector<std::size_t> n;
     n.reserve(layout_.size());
     for (const TensorSpec& t : layout_.tensors()) n.push_back(t.numel);
@@ -660,7 +661,7 @@ class DataParallel {
     return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
   }
 
-  void allocate() {
+  TANDEM_COLD void allocate() {
     const std::size_t owned = owned_total();
     param_flat_ = backend_.template allocate<unsigned char>(plan_.total_size() * psize_);
     backend_.zero(param_flat_.data(), param_flat_.bytes(), work_stream());
@@ -683,7 +684,7 @@ class DataParallel {
     }
   }
 
-  void build_pack_tables() {
+  TANDEM_COLD void build_pack_tables() {
     std::vector<void*> params, grads;
     for (const TensorRef& t : refs_) {
       params.push_back(t.param);
@@ -731,7 +732,7 @@ class DataParallel {
 
   void pack_params(std::size_t b) {
     const PackTableView& t = param_tables_[b];
-    visit_dtype(pdtype_, [&](auto tag) {
+    visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       backend_.launch(t.items,
                       PackBody<T, T, PackDirection::to_bucket>{t.reading_user, t.tensors,
@@ -742,7 +743,7 @@ class DataParallel {
 
   void unpack_params(std::size_t b) {
     const PackTableView& t = param_tables_[b];
-    visit_dtype(pdtype_, [&](auto tag) {
+    visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       backend_.launch(t.items,
                       PackBody<T, T, PackDirection::from_bucket>{
@@ -753,7 +754,7 @@ class DataParallel {
 
   void pack_grads(std::size_t b, float* bucket, WriteMode mode, float scale) {
     const PackTableView& t = grad_tables_[b];
-    visit_dtype(pdtype_, [&](auto tag) {
+    visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       if (mode == WriteMode::assign)
         backend_.launch(t.items,
@@ -822,9 +823,9 @@ class DataParallel {
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
-  void init_masters() {
+  TANDEM_COLD void init_masters() {
     if (pdtype_ == DType::fp32) return;
-    visit_dtype(pdtype_, [&](auto tag) {
+    visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
         const Range r = owned_range(b);
@@ -837,7 +838,7 @@ class DataParallel {
 
   void update(std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
     const Range r = owned_range(b);
-    visit_dtype(pdtype_, [&](auto tag) {
+    visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       UpdateArgs<T> a;
       a.param = reinterpret_cast<T*>(param_flat_.data()) + r.begin;
