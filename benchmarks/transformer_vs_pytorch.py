@@ -209,8 +209,9 @@ def tandem_blas(args, env):
 
 def run_tandem(ranks, args, text_path, workdir, env):
     out = os.path.join(workdir, f"tandem_{ranks}.csv")
-    cmd = [args.binary, "--blas-core", args.blas_core, "--text", text_path, "--context", str(args.context), "--width", str(args.width), "--layers",
-           str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch), "--steps",
+    # --backend host: the comparison is of CPU ranks, also where a CUDA build sees enough GPUs to default to them.
+    cmd = [args.binary, "--backend", "host", "--blas-core", args.blas_core, "--text", text_path, "--context",
+           str(args.context), "--width", str(args.width), "--layers", str(args.layers), "--heads", str(args.heads), "--batch", str(args.batch), "--steps",
            str(args.steps + args.warmup), "--untimed-steps", str(args.warmup), "--ranks", str(ranks), "--policy",
            "replicated", "--lr", "3e-4", "--seed", str(args.seed), "--csv", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
