@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "tandem/core/config.hpp"
 
@@ -168,24 +169,8 @@ TANDEM_HD inline Dst convert(Src v) {
   }
 }
 
-/// Calls `f(T{})` with the C++ type of `t` (float, BFloat16, Float16 or double).
-template <class F>
-decltype(auto) visit_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::bf16:
-      return f(BFloat16{});
-    case DType::fp16:
-      return f(Float16{});
-    case DType::fp64:
-      return f(double{});
-    case DType::fp32:
-      break;
-  }
-  return f(float{});
-}
-
-/// Calls `f(T{})` with the C++ type of a parameter dtype (float, BFloat16 or Float16): the same as visit_dtype, but
-/// nothing is instantiated for double, which parameters cannot be (Layout rejects fp64); fp64 here is out of contract.
+/// Calls `f(T{})` with the C++ type of a parameter dtype (float, BFloat16 or Float16): nothing is instantiated for
+/// double, which parameters cannot be (Layout rejects fp64); fp64 here is out of contract.
 template <class F>
 decltype(auto) visit_param_dtype(DType t, F&& f) {
   switch (t) {
@@ -198,6 +183,13 @@ decltype(auto) visit_param_dtype(DType t, F&& f) {
       break;
   }
   return f(float{});
+}
+
+/// Calls `f(T{})` with the C++ type of `t` (float, BFloat16, Float16 or double).
+template <class F>
+decltype(auto) visit_dtype(DType t, F&& f) {
+  if (t == DType::fp64) return f(double{});
+  return visit_param_dtype(t, std::forward<F>(f));
 }
 
 }  // namespace tandem
