@@ -589,7 +589,8 @@ class LocalGroupState {
     return missing;
   }
 
-  TANDEM_COLD std::string timeout_message(int rank, const char* what) const {  // "... on rank 0: ranks 2, 3 did not arrive"
+  // "... on rank 0: ranks 2, 3 did not arrive"
+  TANDEM_COLD std::string timeout_message(int rank, const char* what) const {
     std::string list = timed_out_missing_.size() == 1 ? "rank " : "ranks ";
     for (std::size_t i = 0; i < timed_out_missing_.size(); ++i) {
       list += (i == 0 ? "" : ", ") + std::to_string(timed_out_missing_[i]);

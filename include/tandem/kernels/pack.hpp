@@ -66,7 +66,7 @@ struct PackTable {
 
 /// Builds bucket `b`'s table; user_pointers[i] is layout tensor i's buffer (param or grad).
 TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vector<void*>& user_pointers,
-                                 std::size_t chunk_elements = pack_chunk_elements) {
+                                             std::size_t chunk_elements = pack_chunk_elements) {
   if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
     detail::fail("tandem: pack chunk_elements must be a positive multiple of 16 below 2^32");
   const Bucket& bucket = plan.bucket(b);
