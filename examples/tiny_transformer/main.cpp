@@ -96,17 +96,15 @@ std::uint64_t fingerprint(const std::vector<float>& params) {
   return h;
 }
 
+#if defined(TINY_HAVE_MPI)
 /// Whether this process was started by an MPI launcher as one of several ranks (then each process is one rank).
 bool launched_by_mpi() {
-#if defined(TINY_HAVE_MPI)
   const tandem::LaunchInfo launch = tandem::detect_launch();
   const bool mpi = launch.launcher == tandem::Launcher::openmpi || launch.launcher == tandem::Launcher::pmi ||
                    launch.launcher == tandem::Launcher::slurm;
   return mpi && launch.world_size > 1;
-#else
-  return false;
-#endif
 }
+#endif
 
 }  // namespace
 
