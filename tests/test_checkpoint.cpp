@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -29,8 +30,11 @@ const mlp::Dataset& dataset() {
   return data;
 }
 
+// Unique to this process: ctest runs each case as a process of its own, several at once, and two cases (or two
+// instantiations of one template case) must not save to the same file.
 std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("tandem_test_" + name + ".ckpt")).string();
+  static const std::string process = std::to_string(std::random_device{}());
+  return (std::filesystem::temp_directory_path() / ("tandem_test_" + name + "_" + process + ".ckpt")).string();
 }
 
 enum class Action { none, save, load };
