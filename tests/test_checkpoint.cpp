@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
 #include "support/params.hpp"
 #include "tandem/tandem.hpp"
 
@@ -47,8 +48,8 @@ Params train(int world, int first, int last, Action action, const std::string& p
   std::mutex m;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<T> model(dims, 5 + static_cast<std::uint64_t>(comm.rank()));
-    tandem::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
-                                              {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+    test::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+                                            {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
     dp.broadcast_parameters();
     if (action == Action::load) {
       dp.load_checkpoint(path);
@@ -82,7 +83,7 @@ std::vector<std::string> try_load(int world, const std::string& path) {
   std::vector<std::string> messages(static_cast<std::size_t>(world));
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 1);
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
     try {
       dp.load_checkpoint(path);
     } catch (const tandem::error& e) {
@@ -120,7 +121,7 @@ TEST_CASE("save at 4 ranks, load at 2 and 3 under other policies: the state is r
   const std::string again = temp_path("reshard_again");
   tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 9);
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(
         comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f}, {.bucket_cap_bytes = 4096});
     dp.load_checkpoint(path);
     dp.save_checkpoint(again);
@@ -180,8 +181,8 @@ TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadab
   std::vector<std::string> messages(2);
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 5);
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(),
-                                                                     {.lr = 3e-3f, .weight_decay = 0.05f});
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(),
+                                                                   {.lr = 3e-3f, .weight_decay = 0.05f});
     if (comm.rank() == 0) tandem::detail::checkpoint_fault_after_bytes() = 1000;  // rank 0 writes
     try {
       dp.save_checkpoint(path);
@@ -210,12 +211,12 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
       }
     };
     mlp::Mlp<float> other({13, 37, 7}, 1);
-    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, other.tensors());
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, other.tensors());
     record([&] { dp.load_checkpoint(path); });
     mlp::Mlp<float> same(dims, 1);
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> sgd(comm, same.tensors(), {.momentum = 0.9f});
+    test::DataParallel<tandem::Replicated, tandem::SGD> sgd(comm, same.tensors(), {.momentum = 0.9f});
     record([&] { sgd.load_checkpoint(path); });
-    tandem::DataParallel<tandem::Replicated, tandem::AdamW> accum(comm, same.tensors(), {}, {.accumulation_steps = 2});
+    test::DataParallel<tandem::Replicated, tandem::AdamW> accum(comm, same.tensors(), {}, {.accumulation_steps = 2});
     accum.step();
     record([&] { accum.save_checkpoint(path); });
   });

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
 #include "support/params.hpp"
 #include "tandem/tandem.hpp"
 
@@ -143,13 +144,13 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
       sync_out();
     };
     if (!c.owned_storage) {
-      tandem::DataParallel<Policy, Optimizer> dp(comm, refs, options, dpo);
+      test::DataParallel<Policy, Optimizer> dp(comm, refs, options, dpo);
       run(
           dp, [] {}, [] {});
     } else {
       std::vector<tandem::TensorSpec> specs;
       for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
-      tandem::DataParallel<Policy, Optimizer> dp(comm, specs, options, dpo);
+      test::DataParallel<Policy, Optimizer> dp(comm, specs, options, dpo);
       // The model keeps its own buffers here; copying through the views stands in for a model that
       // computes on them directly (params out of the views before forward, grads into them after).
       auto params_to_views = [&] {

@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "support/backend.hpp"
 #include "support/params.hpp"
 #include "tandem/tandem.hpp"
 
@@ -34,11 +35,11 @@ std::vector<std::vector<float>> train(int world, int accumulation, Announce anno
       for (std::size_t e = 0; e < sizes[i]; ++e) params[i][e] = 0.01f * static_cast<float>((e * 7 + i) % 13);
       refs.push_back({"t" + std::to_string(i), params[i].data(), grads[i].data(), sizes[i], tandem::DType::fp32});
     }
-    tandem::DataParallel<Policy, tandem::AdamW> dp(comm, refs, {.lr = 1e-2f},
-                                                   {.bucket_cap_bytes = 1024,
-                                                    .first_bucket_cap_bytes = 512,
-                                                    .accumulation_steps = accumulation,
-                                                    .max_grad_norm = 0.5f});
+    test::DataParallel<Policy, tandem::AdamW> dp(comm, refs, {.lr = 1e-2f},
+                                                 {.bucket_cap_bytes = 1024,
+                                                  .first_bucket_cap_bytes = 512,
+                                                  .accumulation_steps = accumulation,
+                                                  .max_grad_norm = 0.5f});
     dp.broadcast_parameters();
     std::mt19937 rng(1234u + static_cast<unsigned>(comm.rank()));  // every rank announces in its own order
     for (int step = 0; step < 6 * accumulation; ++step) {
@@ -89,9 +90,8 @@ TEST_CASE("grad_ready rejects an index out of range and a tensor announced twice
   tandem::LocalGroup group(1);
   group.run([&](tandem::LocalComm& comm) {
     std::vector<float> p(10, 1.0f), g(10, 0.5f), p2(3, 1.0f), g2(3, 0.5f);
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(
-        comm,
-        {{"a", p.data(), g.data(), 10, tandem::DType::fp32}, {"b", p2.data(), g2.data(), 3, tandem::DType::fp32}});
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, {{"a", p.data(), g.data(), 10, tandem::DType::fp32},
+                                                                  {"b", p2.data(), g2.data(), 3, tandem::DType::fp32}});
     CHECK_THROWS_WITH_AS(dp.grad_ready(2), doctest::Contains("out of range"), tandem::error);
     dp.grad_ready(1);
     CHECK_THROWS_WITH_AS(dp.grad_ready(1), doctest::Contains("twice"), tandem::error);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -53,11 +54,11 @@ void check(int world, Mode mode) {
       CHECK(dp.memory_report() == formula<Policy>(plan, psi, sizeof(T), 2, mode));
     };
     if (mode == Mode::copy) {
-      verify(tandem::DataParallel<Policy, tandem::AdamW>(comm, refs, {}, options));
+      verify(test::DataParallel<Policy, tandem::AdamW>(comm, refs, {}, options));
     } else {
       std::vector<tandem::TensorSpec> specs;
       for (const auto& r : refs) specs.push_back({r.name, r.numel, r.dtype});
-      verify(tandem::DataParallel<Policy, tandem::AdamW>(comm, specs, {}, options));
+      verify(test::DataParallel<Policy, tandem::AdamW>(comm, specs, {}, options));
     }
   });
 }
@@ -81,8 +82,8 @@ TEST_CASE("sharding shrinks what the formulas say it shrinks (many buckets: stag
     std::mutex m;
     tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
       mlp::Mlp<tandem::BFloat16> model(dims, 1);
-      tandem::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {},
-                                                {.bucket_cap_bytes = 600, .first_bucket_cap_bytes = 600});
+      test::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {},
+                                              {.bucket_cap_bytes = 600, .first_bucket_cap_bytes = 600});
       CHECK(dp.plan().num_buckets() > 8);
       std::lock_guard lock(m);
       out = dp.memory_report();

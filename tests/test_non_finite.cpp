@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -39,8 +40,8 @@ Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out
   std::mutex m;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 2);
-    tandem::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f},
-                                              {.bucket_cap_bytes = 1024, .non_finite = policy});
+    test::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f},
+                                            {.bucket_cap_bytes = 1024, .non_finite = policy});
     const int local = 24 / world;
     try {
       for (int step = 0; step < 6; ++step) {

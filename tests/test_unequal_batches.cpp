@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/backend.hpp"
 #include "support/params.hpp"
 #include "support/train.hpp"
 #include "tandem/tandem.hpp"
@@ -36,7 +37,7 @@ TEST_CASE("all_ranks_have_batch: ranks with 5, 3 and 4 batches all stop after 3 
     const int r = comm.rank();
     const int batches = r == 0 ? 5 : r == 1 ? 3 : 4;
     mlp::Mlp<float> model(setup.dims, setup.seed + static_cast<std::uint64_t>(r) * 1000);
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(
         comm, model.tensors(), adamw,
         {.bucket_cap_bytes = setup.bucket_cap_bytes, .first_bucket_cap_bytes = setup.bucket_cap_bytes / 2});
     dp.broadcast_parameters(0);
@@ -66,7 +67,7 @@ TEST_CASE("all_ranks_have_batch: ranks that took different numbers of micro-step
   // step() on rank 1.
   CHECK_THROWS_AS(tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(setup.dims, setup.seed);
-    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), adamw, {.accumulation_steps = 2});
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), adamw, {.accumulation_steps = 2});
     model.forward_backward(data, 0, 4);
     if (comm.rank() == 1) dp.step();
     try {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -52,7 +53,7 @@ std::vector<std::string> run_ranks(int world, F body) {
 template <class P = tandem::Replicated>
 void construct(tandem::LocalComm& comm, const std::vector<tandem::TensorRef>& refs,
                tandem::DataParallelOptions options = {}, tandem::AdamWOptions adamw = {}) {
-  tandem::DataParallel<P, tandem::AdamW> dp(comm, refs, adamw, options);
+  test::DataParallel<P, tandem::AdamW> dp(comm, refs, adamw, options);
 }
 
 }  // namespace
@@ -125,14 +126,14 @@ TEST_CASE("optimizer options that differ between ranks: every rank throws") {
 
 TEST_CASE("optimizer options changed between steps are validated; state cannot appear later") {
   const auto momentum = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::SGD> dp(comm, refs, {.lr = 0.1f});
+    test::DataParallel<tandem::OptimizerSharded, tandem::SGD> dp(comm, refs, {.lr = 0.1f});
     dp.step();
     dp.optimizer_options().momentum = 0.9f;
     dp.step();
   });
   for (const std::string& msg : momentum) CHECK(msg.find("SGD momentum enabled later") != std::string::npos);
   const auto beta = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, refs);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, refs);
     dp.optimizer_options().beta1 = 1.0f;
     dp.step();
   });
@@ -158,7 +159,7 @@ TEST_CASE("bad options name the option") {
 
 TEST_CASE("broadcast root out of range, tensor index out of range, step before broadcast with owned storage") {
   const auto root = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
     dp.broadcast_parameters(2);
   });
   for (const std::string& msg : root) CHECK(msg.find("root 2 is out of range") != std::string::npos);
@@ -169,23 +170,23 @@ TEST_CASE("broadcast root out of range, tensor index out of range, step before b
     return specs;
   };
   const auto copy_mode = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs);
     (void)dp.grad_view(0);
   });
   CHECK(copy_mode[0].find("grad_view is for owned storage") != std::string::npos);
   const auto index = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
     (void)dp.param_view<float>(refs.size());
   });
   CHECK(index[0].find("index out of range") != std::string::npos);
   const auto type = run_ranks(1, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs_of(refs));
     (void)dp.param_view<tandem::BFloat16>(0);
   });
   CHECK(type[0].find("param_view<bf16>(0): the parameters are fp32") != std::string::npos);
 
   const auto early = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
-    tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs_of(refs));
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs_of(refs));
     dp.step();
   });
   for (const std::string& msg : early) CHECK(msg.find("broadcast_parameters()") != std::string::npos);
@@ -210,7 +211,7 @@ static_assert(tandem::Communicator<BrokenComm>);
 TEST_CASE("a communicator whose rank is out of range is rejected up front") {
   BrokenComm comm;
   mlp::Mlp<float> model(dims, 1);
-  using DP = tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::HostBackend, BrokenComm>;
+  using DP = test::DataParallel<tandem::Replicated, tandem::AdamW, BrokenComm>;
   CHECK_THROWS_WITH_AS(DP(comm, model.tensors()), doctest::Contains("rank 5 is out of range [0, 2)"), tandem::error);
 }
 
@@ -226,7 +227,7 @@ TEST_CASE("zero-size tensors are allowed anywhere and change nothing") {
         refs.insert(refs.begin() + 3, tandem::TensorRef{"empty.middle", nullptr, nullptr, 0, tandem::DType::fp32});
         refs.push_back(tandem::TensorRef{"empty.last", nullptr, nullptr, 0, tandem::DType::fp32});
       }
-      tandem::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, refs, {}, {.bucket_cap_bytes = 64});
+      test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, refs, {}, {.bucket_cap_bytes = 64});
       const mlp::Dataset data(64, dims.front(), dims.back(), 5);
       for (int step = 0; step < 8; ++step) {
         model.forward_backward(data, step * 8 + comm.rank() * 4, 4);

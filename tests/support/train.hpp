@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../../examples/mlp/mlp.hpp"
+#include "backend.hpp"
 #include "params.hpp"
 #include "tandem/front/data_parallel.hpp"
 
@@ -42,7 +43,7 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
   const tandem::DataParallelOptions dpo{.bucket_cap_bytes = setup.bucket_cap_bytes,
                                         .first_bucket_cap_bytes = setup.bucket_cap_bytes / 2,
                                         .accumulation_steps = setup.accumulation};
-  tandem::DataParallel<Policy, Optimizer, tandem::HostBackend, Comm> dp(comm, model.tensors(), options, dpo);
+  test::DataParallel<Policy, Optimizer, Comm> dp(comm, model.tensors(), options, dpo);
   dp.broadcast_parameters(0);
   const int local = setup.global_batch / comm.size();
   for (int step = 0; step < setup.steps; ++step) {

@@ -2,7 +2,8 @@
 // The host backend: memory is ordinary (64-byte aligned) host memory, copies are memcpy, and launch() runs a
 // kernel body over its work items in linear order, serially or split into contiguous ranges across threads.
 // Work completes before each call returns, so streams and events are trivially satisfied: Event is empty and
-// record/wait do nothing, which is what makes the CUDA backend's stream protocol no-op-correct here.
+// record/wait do nothing, which is what makes the CUDA backend's stream protocol no-op-correct here (its
+// stream-faithful counterpart, StreamHostBackend in backend/host_stream.hpp, runs the protocol for real).
 #pragma once
 
 #include <cstddef>
@@ -145,14 +146,22 @@ class HostBackend {
   }
 
   Event make_event() const { return {}; }
-  void record(Event&, Stream) const {}
-  void wait(Stream, const Event&) const {}
+  /// Nothing to order: work is done when its call returns. A HostStream (StreamHostBackend's) is refused here, since
+  /// work enqueued on it would race with this backend's.
+  void record(Event&, Stream s) const { check_stream(s); }
+  void wait(Stream s, const Event&) const { check_stream(s); }
 
   void synchronize(Stream = {}) const {}
 
   const HostBackendOptions& options() const { return options_; }
 
  private:
+  static void check_stream(Stream s) {
+    if (s.handle != nullptr && s.kind == StreamKind::host_queue)
+      detail::fail(
+          "tandem: HostBackend was given a HostStream; HostBackend runs work on the calling thread, so work "
+          "on a HostStream would race with it: use StreamHostBackend (backend/host_stream.hpp), or Stream{}");
+  }
   HostBackendOptions options_;
 };
 

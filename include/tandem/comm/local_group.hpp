@@ -48,6 +48,7 @@
 #include <sched.h>
 #endif
 
+#include "tandem/backend/host_stream.hpp"
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
@@ -651,8 +652,11 @@ TANDEM_COLD inline std::string exception_message(const std::exception_ptr& e) {
 
 class LocalGroup;
 
-/// One rank's handle inside LocalGroup::run. Every call completes before it returns; the stream is ignored.
-/// A LocalComm belongs to its rank's thread: call it from that thread only, and not after the body returned.
+/// One rank's handle inside LocalGroup::run. A LocalComm belongs to its rank's thread: call it from that thread only,
+/// and not after the body returned. A collective given Stream{} completes before it returns; one given a HostStream
+/// (backend/host_stream.hpp) is enqueued on it, as NCCL's are on a CUDA stream, and runs on its worker. Either way the
+/// rank's collectives run in the order it called them (a collective waits for the previous one, whatever stream that
+/// was on), and the body's end waits for the last one.
 class LocalComm {
  public:
   LocalComm(const LocalComm&) = delete;
@@ -662,26 +666,44 @@ class LocalComm {
   int size() const { return state_->size(); }
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    (void)stream;
-    collective(detail::LocalCallKind::all_reduce, send, recv, count, dtype, op, 0);
+    submit(stream, detail::LocalCallKind::all_reduce, send, recv, count, dtype, op, 0);
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    (void)stream;
-    collective(detail::LocalCallKind::reduce_scatter, send, recv, count, dtype, op, 0);
+    submit(stream, detail::LocalCallKind::reduce_scatter, send, recv, count, dtype, op, 0);
   }
   void all_gather(const void* send, void* recv, std::size_t count, DType dtype, Stream stream = {}) {
-    (void)stream;
-    collective(detail::LocalCallKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0);
+    submit(stream, detail::LocalCallKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0);
   }
   void broadcast(const void* send, void* recv, std::size_t count, DType dtype, int root, Stream stream = {}) {
-    (void)stream;
-    collective(detail::LocalCallKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root);
+    submit(stream, detail::LocalCallKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root);
   }
-  void barrier() { collective(detail::LocalCallKind::barrier, nullptr, nullptr, 0, DType::fp32, ReduceOp::sum, 0); }
+  void barrier() {
+    submit(Stream{}, detail::LocalCallKind::barrier, nullptr, nullptr, 0, DType::fp32, ReduceOp::sum, 0);
+  }
 
  private:
   friend class LocalGroup;
   LocalComm(detail::LocalGroupState& state, int rank) : state_(&state), rank_(rank) {}
+
+  /// Runs the collective now (Stream{}) or enqueues it on a HostStream, after this rank's previous collective.
+  void submit(Stream stream, detail::LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+              ReduceOp op, int root) {
+    HostStream* queue = detail::host_queue(stream);
+    if (queue == nullptr) {
+      finish_pending();
+      collective(kind, send, recv, count, dtype, op, root);
+      return;
+    }
+    previous_.wait_on(stream);
+    queue->enqueue([this, kind, send, recv, count, dtype, op, root] {
+      detail::error_rank() = rank_;
+      collective(kind, send, recv, count, dtype, op, root);
+    });
+    previous_.record(stream);
+  }
+
+  /// Waits until this rank's enqueued collectives have run; rethrows the error of the stream that ran the last one.
+  void finish_pending() { previous_.wait_on(Stream{}); }
 
   void collective(detail::LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                   int root) {
@@ -711,7 +733,8 @@ class LocalComm {
 
   detail::LocalGroupState* state_;
   int rank_;
-  std::uint64_t seq_ = 0;  // number of collectives this rank called: picks the slot parity
+  std::uint64_t seq_ = 0;  // number of collectives this rank ran: picks the slot parity
+  HostEvent previous_;     // recorded after each collective enqueued on a HostStream
 };
 
 static_assert(Communicator<LocalComm>, "LocalComm must satisfy tandem::Communicator");
@@ -747,6 +770,7 @@ class LocalGroup {
       detail::LocalFailure kind = detail::LocalFailure::original;
       try {
         std::invoke(body, comm);
+        comm.finish_pending();
         state.depart(rank);
         return;
       } catch (const peer_error&) {

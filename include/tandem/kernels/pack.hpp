@@ -131,6 +131,7 @@ class ResidentPackTables {
       k += t.tensors.size();
       views_.push_back(v);
     }
+    backend.synchronize(stream);  // the copies read `tables` (the caller's host memory) when they run: wait for them
   }
   const PackTableView& operator[](std::size_t b) const { return views_[b]; }
   std::size_t size() const { return views_.size(); }

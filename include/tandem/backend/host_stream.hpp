@@ -1,0 +1,424 @@
+// SPDX-License-Identifier: Apache-2.0
+// The stream-faithful host backend: the CPU's stand-in for a GPU's asynchrony, where stream and event ordering bugs
+// are caught without a GPU (docs/design.md, "Testing without a GPU").
+//
+//   HostStream          a worker thread that runs its enqueued operations one after another, in enqueue order, each
+//                       after an optional seeded random delay. A failed operation makes the stream's error sticky, as
+//                       a CUDA fault is: later work is skipped (event records and waits still run, so nobody hangs
+//                       on it) and every later enqueue, synchronize or read on the stream throws that error.
+//   HostEvent           record(event, stream) marks the point the stream has reached; wait(stream, event) makes later
+//                       work on `stream` wait until the stream that recorded it reaches the most recent record made
+//                       before the wait (cudaEventRecord / cudaStreamWaitEvent). Waiting on an event never
+//                       recorded does nothing. An error on the recording stream passes to the waiting stream.
+//   StreamHostBackend   HostBackend's operations (copy, zero, launch, sum_to, read) enqueued on a stream; buffers are
+//                       freed in stream order (cudaFreeAsync), poisoned with 0xFF bytes (NaN) when allocated and
+//                       again just before they are freed, so reading uninitialised or freed memory shows.
+//
+// Stream{} (a null handle) is the calling thread: work on it runs before the call returns, record on it marks
+// "now", and wait(Stream{}, event) blocks the calling thread until the event is reached (and rethrows its error).
+// That is stricter than CUDA's default stream, never looser. Copies read host memory when they run, not when they
+// are enqueued: a host source must outlive the copy (synchronize first), which CUDA's pageable copies may not need.
+// LocalComm (comm/local_group.hpp) enqueues its collectives on a HostStream it is given, as NCCL does on a CUDA
+// stream, so the whole DataParallel protocol runs on it unchanged.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/stream.hpp"
+
+namespace tandem {
+
+/// Options of a HostStream, for designated initializers.
+struct HostStreamOptions {
+  /// Before each operation the worker sleeps a random time in [0, max_delay] (half of the operations: none);
+  /// 0 runs every operation at once.
+  std::chrono::microseconds max_delay{0};
+  std::uint64_t seed = 0;  ///< the delays' seed; each stream mixes in its own serial number
+};
+
+namespace detail {
+
+/// splitmix64: the delays' generator (small, and the same everywhere).
+inline std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+inline std::uint64_t next_host_stream_serial() {
+  static std::atomic<std::uint64_t> serial{0};
+  return serial.fetch_add(1, std::memory_order_relaxed);
+}
+
+/// What an event and the operations that record and wait on it share. Records are numbered (tickets) in the order
+/// they are made; `reached` is the highest ticket its stream has run.
+class HostEventState {
+ public:
+  /// A new record: its ticket.
+  std::uint64_t record() {
+    std::lock_guard lock(mutex_);
+    return ++recorded_;
+  }
+  /// The ticket of the most recent record (0: never recorded).
+  std::uint64_t latest() const {
+    std::lock_guard lock(mutex_);
+    return recorded_;
+  }
+  /// The recording stream reached `ticket`, failed with `failure` (null: no failure).
+  void reach(std::uint64_t ticket, std::exception_ptr failure) {
+    {
+      std::lock_guard lock(mutex_);
+      reached_ = std::max(reached_, ticket);
+      if (failure) failure_ = std::move(failure);
+    }
+    changed_.notify_all();
+  }
+  /// Blocks until `ticket` is reached; returns the recording stream's failure, if any.
+  std::exception_ptr wait(std::uint64_t ticket) {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return reached_ >= ticket; });
+    return failure_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::uint64_t recorded_ = 0, reached_ = 0;
+  std::exception_ptr failure_;
+};
+
+}  // namespace detail
+
+/// A host "stream": a worker thread running enqueued operations in order (see the top of this file).
+class HostStream {
+ public:
+  explicit HostStream(HostStreamOptions options = {})
+      : options_(options),
+        random_(options.seed ^ (detail::next_host_stream_serial() * 0xd1b54a32d192ed03ull)),
+        rank_(detail::error_rank()) {
+    worker_ = std::thread([this] { work(); });
+  }
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
+  /// Runs what is queued, then stops the worker. An error nobody synchronized on is logged.
+  ~HostStream() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    queued_.notify_all();
+    worker_.join();
+    if (failure_ && !failure_seen_)
+      std::fprintf(stderr, "tandem: a HostStream was destroyed with an error nobody read: %s\n",
+                   describe(failure_).c_str());
+  }
+
+  /// This stream as the last argument of an asynchronous call.
+  Stream stream() { return {this, StreamKind::host_queue}; }
+
+  /// Runs op() after everything enqueued before it; skipped once the stream has failed. An exception it throws
+  /// becomes the stream's error. Throws the stream's error if it has already failed.
+  void enqueue(std::function<void()> op) {
+    push([op = std::move(op)](const std::exception_ptr& failed) {
+      if (!failed) op();
+    });
+  }
+
+  /// Like enqueue, but also runs after a failure, given the stream's error (null if none): event records and
+  /// waits, and frees, which must happen whatever came before.
+  void enqueue_always(std::function<void(const std::exception_ptr&)> op) { push(std::move(op), Admit::always); }
+
+  /// Blocks until every operation enqueued so far has run; throws the stream's error.
+  void synchronize() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = enqueued_;
+    drained_.wait(lock, [&] { return done_ >= target; });
+    rethrow_locked();
+  }
+
+  /// The stream's error (null: none so far). Does not wait.
+  std::exception_ptr failure() const {
+    std::lock_guard lock(mutex_);
+    return failure_;
+  }
+
+ private:
+  using Op = std::function<void(const std::exception_ptr&)>;
+  enum class Admit { unless_failed, always };
+
+  static std::string describe(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      return x.what();
+    } catch (...) {
+      return "an exception not derived from std::exception";
+    }
+  }
+
+  void rethrow_locked() {
+    if (!failure_) return;
+    failure_seen_ = true;
+    std::rethrow_exception(failure_);
+  }
+
+  void push(Op op, Admit admit = Admit::unless_failed) {
+    {
+      std::lock_guard lock(mutex_);
+      if (admit == Admit::unless_failed) rethrow_locked();
+      queue_.push_back(std::move(op));
+      ++enqueued_;
+    }
+    queued_.notify_one();
+  }
+
+  void delay() {
+    if (options_.max_delay.count() <= 0) return;
+    const std::uint64_t r = detail::splitmix64(random_);
+    if (r & 1) return;
+    const auto span = static_cast<std::uint64_t>(options_.max_delay.count()) + 1;
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<std::int64_t>((r >> 1) % span)));
+  }
+
+  void work() {
+    detail::error_rank() = rank_;  // errors raised by the operations name the creating thread's rank
+    for (;;) {
+      Op op;
+      std::exception_ptr failed;
+      {
+        std::unique_lock lock(mutex_);
+        queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything has run
+        op = std::move(queue_.front());
+        queue_.pop_front();
+        failed = failure_;
+      }
+      delay();
+      try {
+        op(failed);
+      } catch (...) {
+        std::lock_guard lock(mutex_);
+        if (!failure_) failure_ = std::current_exception();
+      }
+      op = nullptr;  // what it captured (a buffer being freed, say) goes now, in stream order
+      {
+        std::lock_guard lock(mutex_);
+        ++done_;
+      }
+      drained_.notify_all();
+    }
+  }
+
+  HostStreamOptions options_;
+  std::uint64_t random_;  // the worker's alone
+  int rank_;
+  mutable std::mutex mutex_;
+  std::condition_variable queued_, drained_;
+  std::deque<Op> queue_;
+  std::uint64_t enqueued_ = 0, done_ = 0;
+  std::exception_ptr failure_;
+  bool failure_seen_ = false;
+  bool stopping_ = false;
+  std::thread worker_;  // last: it starts once everything above exists
+};
+
+namespace detail {
+
+/// The HostStream a Stream names, or null for the calling thread. Throws for a stream of another kind.
+inline HostStream* host_queue(Stream s) {
+  if (s.handle == nullptr) return nullptr;
+  if (s.kind != StreamKind::host_queue)
+    fail(
+        "tandem: a native (CUDA) stream was passed to the stream-faithful host backend or a host communicator; "
+        "pass a tandem::HostStream's stream(), or Stream{} for the calling thread");
+  return static_cast<HostStream*>(s.handle);
+}
+
+/// Runs op on `s`: enqueued on its HostStream, or now on the calling thread for Stream{}.
+template <class Op>
+void run_on(Stream s, Op&& op) {
+  if (HostStream* q = host_queue(s))
+    q->enqueue(std::forward<Op>(op));
+  else
+    op();
+}
+
+}  // namespace detail
+
+/// An event of HostStreams (see the top of this file). Copies share one event.
+class HostEvent {
+ public:
+  HostEvent() : state_(std::make_shared<detail::HostEventState>()) {}
+
+  /// Marks the point `s` has reached (Stream{}: now).
+  void record(Stream s) {
+    const std::uint64_t ticket = state_->record();
+    HostStream* q = detail::host_queue(s);
+    if (q == nullptr) return state_->reach(ticket, nullptr);
+    q->enqueue_always([state = state_, ticket](const std::exception_ptr& failed) { state->reach(ticket, failed); });
+  }
+
+  /// Later work on `s` waits for the most recent record (Stream{}: the calling thread blocks, and rethrows the
+  /// recording stream's error).
+  void wait_on(Stream s) const {
+    const std::uint64_t ticket = state_->latest();
+    if (ticket == 0) return;
+    HostStream* q = detail::host_queue(s);
+    if (q == nullptr) {
+      if (std::exception_ptr failure = state_->wait(ticket)) std::rethrow_exception(failure);
+      return;
+    }
+    q->enqueue_always([state = state_, ticket](const std::exception_ptr& failed) {
+      if (failed) return;  // this stream is failed already: nothing after it runs anyway
+      if (std::exception_ptr failure = state->wait(ticket)) std::rethrow_exception(failure);
+    });
+  }
+
+ private:
+  std::shared_ptr<detail::HostEventState> state_;
+};
+
+/// A host allocation freed in order on a HostStream (cudaFreeAsync's counterpart), poisoned as it begins and ends.
+template <class T>
+class StreamHostBuffer {
+ public:
+  StreamHostBuffer() = default;
+  StreamHostBuffer(std::size_t n, std::shared_ptr<HostStream> stream)
+      : buffer_(std::make_shared<HostBuffer<T>>(n)), stream_(std::move(stream)) {
+    if (buffer_->bytes() != 0) std::memset(static_cast<void*>(buffer_->data()), 0xFF, buffer_->bytes());
+  }
+  StreamHostBuffer(StreamHostBuffer&& o) noexcept = default;
+  StreamHostBuffer& operator=(StreamHostBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      buffer_ = std::move(o.buffer_);
+      stream_ = std::move(o.stream_);
+    }
+    return *this;
+  }
+  StreamHostBuffer(const StreamHostBuffer&) = delete;
+  StreamHostBuffer& operator=(const StreamHostBuffer&) = delete;
+  ~StreamHostBuffer() { release(); }
+
+  T* data() const { return buffer_ ? buffer_->data() : nullptr; }
+  std::size_t size() const { return buffer_ ? buffer_->size() : 0; }
+  std::size_t bytes() const { return size() * sizeof(T); }
+
+ private:
+  void release() noexcept {
+    if (!buffer_) return;
+    try {
+      stream_->enqueue_always([buffer = std::move(buffer_)](const std::exception_ptr&) {
+        if (buffer->bytes() != 0) std::memset(static_cast<void*>(buffer->data()), 0xFF, buffer->bytes());
+      });  // the buffer itself is freed when the worker drops the operation
+    } catch (...) {
+      std::fprintf(stderr, "tandem: could not enqueue a StreamHostBuffer's free; it is freed now\n");
+    }
+    buffer_.reset();
+    stream_.reset();
+  }
+  std::shared_ptr<HostBuffer<T>> buffer_;
+  std::shared_ptr<HostStream> stream_;
+};
+
+struct StreamHostBackendOptions {
+  int threads = 1;                  ///< threads one launch is split across, on its stream's worker
+  HostStreamOptions work_stream{};  ///< the delays of the backend's own work stream
+};
+
+/// HostBackend's operations, each enqueued on its stream (see the top of this file). Owns a work stream.
+class StreamHostBackend {
+ public:
+  template <class T>
+  using Buffer = StreamHostBuffer<T>;
+  using Event = HostEvent;
+
+  /// Buffers are host memory, but the host must not read them without read() or a synchronize: as on a device.
+  static constexpr bool host_memory = false;
+
+  StreamHostBackend() : StreamHostBackend(StreamHostBackendOptions{}) {}
+  explicit StreamHostBackend(StreamHostBackendOptions options)
+      : direct_(HostBackendOptions{.threads = options.threads}),
+        work_(std::make_shared<HostStream>(options.work_stream)) {}
+
+  static constexpr const char* name() { return "host-stream"; }
+  /// tandem's work stream: a HostStream the backend owns (shared by copies of the backend).
+  Stream stream() const { return work_->stream(); }
+
+  template <class T>
+  Buffer<T> allocate(std::size_t n) const {
+    return Buffer<T>(n, work_);
+  }
+
+  void copy(void* dst, const void* src, std::size_t bytes, Stream s = {}) const {
+    if (bytes == 0 || dst == src) return;
+    detail::run_on(s, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  }
+
+  void zero(void* dst, std::size_t bytes, Stream s = {}) const {
+    if (bytes == 0) return;
+    detail::run_on(s, [dst, bytes] { std::memset(dst, 0, bytes); });
+  }
+
+  /// Copies `bytes` to the host once `s` reaches this point, and waits for it.
+  void read(void* host, const void* src, std::size_t bytes, Stream s = {}) const {
+    copy(host, src, bytes, s);
+    synchronize(s);
+  }
+
+  template <class Body>
+  void launch(std::size_t items, const Body& body, Stream s = {}) const {
+    if (items == 0) return;
+    detail::run_on(s, [direct = direct_, items, body] { direct.launch(items, body); });
+  }
+
+  /// *out = the sum over items of body(item, 0, 1), added in item order, once `s` reaches this point.
+  template <class Body>
+  void sum_to(std::size_t items, const Body& body, double* out, Stream s = {}) const {
+    detail::run_on(s, [direct = direct_, items, body, out] { *out = direct.sum(items, body); });
+  }
+
+  /// The sum of sum_to, read back to the host (waits for `s`).
+  template <class Body>
+  double sum(std::size_t items, const Body& body, Stream s = {}) const {
+    double total = 0.0;
+    sum_to(items, body, &total, s);
+    synchronize(s);
+    return total;
+  }
+
+  Event make_event() const { return Event{}; }
+  void record(Event& event, Stream s) const { event.record(s); }
+  void wait(Stream s, const Event& event) const { event.wait_on(s); }
+
+  /// Blocks until `s` has run everything enqueued on it; throws its error.
+  void synchronize(Stream s = {}) const {
+    if (HostStream* q = detail::host_queue(s)) q->synchronize();
+  }
+
+  const HostBackendOptions& options() const { return direct_.options(); }
+
+ private:
+  HostBackend direct_;
+  std::shared_ptr<HostStream> work_;
+};
+
+}  // namespace tandem

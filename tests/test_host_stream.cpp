@@ -1,0 +1,286 @@
+// SPDX-License-Identifier: Apache-2.0
+// The stream-faithful host backend (backend/host_stream.hpp): streams run their work in order on worker threads,
+// events order streams, errors are sticky, buffers are freed in stream order; and DataParallel's stream protocol
+// on it, with the user's work on a stream of its own, as a GPU user's backward is. Labels "host" and "streams".
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
+#include "support/params.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+
+/// A launch body that runs f() once (one item): the "kernel" a test enqueues on a stream.
+template <class F>
+struct Task {
+  F f;
+  void operator()(std::size_t, unsigned, unsigned) const { f(); }
+};
+template <class F>
+Task(F) -> Task<F>;
+
+}  // namespace
+
+TEST_CASE("a HostStream runs its work in order, after the delays, on its own thread") {
+  tandem::HostStream stream({.max_delay = 200us, .seed = 7});
+  const tandem::StreamHostBackend backend;
+  std::vector<int> order;
+  std::thread::id worker;
+  for (int i = 0; i < 50; ++i)
+    backend.launch(1, Task{[&order, &worker, i] {
+                     worker = std::this_thread::get_id();
+                     order.push_back(i);
+                   }},
+                   stream.stream());
+  stream.synchronize();
+  REQUIRE(order.size() == 50);
+  CHECK(std::is_sorted(order.begin(), order.end()));
+  CHECK(worker != std::this_thread::get_id());
+}
+
+TEST_CASE("an event orders one stream after another; a never-recorded event orders nothing") {
+  tandem::HostStream slow({.max_delay = 500us, .seed = 1}), fast;
+  const tandem::StreamHostBackend backend;
+  tandem::HostEvent never;
+  backend.wait(fast.stream(), never);  // waiting on an event never recorded does nothing
+  for (int round = 0; round < 20; ++round) {
+    int value = 0, seen = -1;
+    backend.launch(1, Task{[&value] {
+                     std::this_thread::sleep_for(1ms);
+                     value = 42;
+                   }},
+                   slow.stream());
+    tandem::HostEvent done;
+    backend.record(done, slow.stream());
+    backend.wait(fast.stream(), done);
+    backend.launch(1, Task{[&value, &seen] { seen = value; }}, fast.stream());
+    fast.synchronize();
+    CHECK(seen == 42);
+    slow.synchronize();
+  }
+}
+
+TEST_CASE("an event waits for the record made before the wait, not a later one") {
+  tandem::HostStream a, b;
+  const tandem::StreamHostBackend backend;
+  tandem::HostEvent e;
+  std::atomic<bool> release{false};
+  std::atomic<int> stage{0};
+  backend.launch(1, Task{[&stage] { stage = 1; }}, a.stream());
+  backend.record(e, a.stream());  // reached once stage is 1
+  backend.wait(b.stream(), e);
+  int seen = -1;
+  backend.launch(1, Task{[&stage, &seen] { seen = stage.load(); }}, b.stream());
+  backend.launch(1, Task{[&release, &stage] {
+                   while (!release) std::this_thread::yield();
+                   stage = 2;
+                 }},
+                 a.stream());
+  backend.record(e, a.stream());  // a later record: b must not wait for it
+  b.synchronize();                // would hang if b waited for the second record
+  CHECK(seen == 1);
+  release = true;
+  a.synchronize();
+}
+
+TEST_CASE("an error is sticky on its stream, passes through events, and never hangs a waiter") {
+  tandem::HostStream failing, downstream;
+  const tandem::StreamHostBackend backend;
+  bool ran_after = false;
+  backend.launch(1, Task{[] { throw tandem::error("injected failure"); }}, failing.stream());
+  backend.launch(1, Task{[&ran_after] { ran_after = true; }}, failing.stream());
+  tandem::HostEvent e;
+  backend.record(e, failing.stream());
+  backend.wait(downstream.stream(), e);
+  CHECK_THROWS_WITH_AS(failing.synchronize(), "injected failure", tandem::error);
+  CHECK_FALSE(ran_after);
+  CHECK_THROWS_WITH_AS(downstream.synchronize(), "injected failure", tandem::error);
+  CHECK_THROWS_WITH_AS(backend.zero(&ran_after, 1, failing.stream()), "injected failure", tandem::error);
+  CHECK_THROWS_WITH_AS(backend.wait(tandem::Stream{}, e), "injected failure", tandem::error);
+}
+
+TEST_CASE("a buffer is freed in stream order, poisoned when it begins and when it ends") {
+  const tandem::StreamHostBackend backend;
+  float seen = 0.0f;
+  {
+    auto buffer = backend.allocate<float>(16);
+    float fresh = 0.0f;
+    backend.read(&fresh, buffer.data(), sizeof fresh, backend.stream());
+    CHECK(std::isnan(fresh));  // uninitialised memory reads as NaN
+    backend.launch(1, Task{[p = buffer.data()] {
+                     std::this_thread::sleep_for(2ms);
+                     p[3] = 5.0f;
+                   }},
+                   backend.stream());
+    backend.copy(&seen, buffer.data() + 3, sizeof seen, backend.stream());
+  }  // freed after the launch and the copy, on the work stream
+  backend.synchronize(backend.stream());
+  CHECK(seen == 5.0f);
+}
+
+TEST_CASE("LocalComm enqueues its collectives on a HostStream, in call order") {
+  tandem::LocalGroup group(3);
+  group.run([&](tandem::LocalComm& comm) {
+    tandem::HostStream stream({.max_delay = 100us, .seed = static_cast<std::uint64_t>(comm.rank())});
+    const tandem::StreamHostBackend backend;
+    std::vector<float> x(100), sum(100), all(300);
+    backend.launch(1, Task{[&x, r = comm.rank()] { std::fill(x.begin(), x.end(), float(r + 1)); }}, stream.stream());
+    comm.all_reduce(x.data(), sum.data(), x.size(), tandem::DType::fp32, tandem::ReduceOp::sum, stream.stream());
+    comm.all_gather(x.data(), all.data(), x.size(), tandem::DType::fp32, stream.stream());
+    comm.barrier();  // a call without a stream waits for the ones enqueued before it
+    CHECK(sum == std::vector<float>(100, 6.0f));
+    for (int q = 0; q < 3; ++q) CHECK(all[static_cast<std::size_t>(q) * 100 + 7] == float(q + 1));
+  });
+}
+
+// ---- DataParallel with the user's work on a stream of its own -----------------------------------------------------
+
+namespace {
+
+struct Tensors {
+  std::vector<std::vector<float>> params, grads;
+  std::vector<tandem::TensorRef> refs;
+  explicit Tensors(const std::vector<std::size_t>& sizes) : params(sizes.size()), grads(sizes.size()) {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      params[i].assign(sizes[i], 0.0f);
+      grads[i].assign(sizes[i], 0.0f);
+      for (std::size_t e = 0; e < sizes[i]; ++e) params[i][e] = 0.01f * static_cast<float>((e * 7 + i) % 13);
+      refs.push_back({"t" + std::to_string(i), params[i].data(), grads[i].data(), sizes[i], tandem::DType::fp32});
+    }
+  }
+};
+
+const std::vector<std::size_t> small_sizes = {37, 300, 129, 64, 1000};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("grad_ready for every tensor, then more work on the user's stream: step() waits for it", Policy,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  tandem::LocalGroup group(2);
+  group.run([&](tandem::LocalComm& comm) {
+    tandem::HostStream user;
+    Tensors t(small_sizes);
+    tandem::DataParallel<Policy, tandem::SGD, tandem::StreamHostBackend> dp(
+        comm, t.refs, {.lr = 0.5f}, {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .stream = user.stream()});
+    dp.broadcast_parameters();
+    user.synchronize();
+    const tandem::StreamHostBackend backend;
+    for (int step = 0; step < 3; ++step) {
+      const test::Params before = t.params;
+      backend.launch(1, Task{[&t, step] {  // backward writes the gradients
+                       for (auto& g : t.grads) std::fill(g.begin(), g.end(), 1.0f + float(step));
+                     }},
+                     user.stream());
+      for (std::size_t i = t.refs.size(); i-- > 0;) dp.grad_ready(i);  // every bucket goes out now
+      test::Params seen;
+      backend.launch(1, Task{[&t, &seen] {  // the user's stream still reads the parameters (a metric, say)
+                       std::this_thread::sleep_for(20ms);
+                       seen = t.params;
+                     }},
+                     user.stream());
+      CHECK(dp.step().updated);
+      user.synchronize();
+      CHECK_MESSAGE(test::bitwise_equal(seen, before),
+                    "step() updated the parameters while the user's stream read them");
+      CHECK_FALSE(test::bitwise_equal(t.params, before));
+    }
+  });
+}
+
+TEST_CASE("destroying DataParallel waits for the user's stream before its buffers are freed") {
+  tandem::LocalGroup group(1);
+  group.run([&](tandem::LocalComm& comm) {
+    tandem::HostStream user;
+    std::vector<float> seen(64, -1.0f);
+    {
+      tandem::DataParallel<tandem::Replicated, tandem::SGD, tandem::StreamHostBackend> dp(
+          comm, std::vector<tandem::TensorSpec>{{"w", 64, tandem::DType::fp32}}, {.lr = 0.1f},
+          {.stream = user.stream()});
+      float* w = dp.param_view<float>(0);
+      std::fill(w, w + 64, 3.0f);
+      dp.broadcast_parameters();
+      tandem::StreamHostBackend{}.launch(1, Task{[w, &seen] {  // the user's stream reads a view, slowly
+                                           std::this_thread::sleep_for(20ms);
+                                           std::copy(w, w + 64, seen.begin());
+                                         }},
+                                         user.stream());
+    }
+    user.synchronize();
+    CHECK(seen == std::vector<float>(64, 3.0f));
+  });
+}
+
+namespace {
+
+/// Trains the MLP example, each micro-step's backward enqueued on the user's stream after a random delay and its
+/// gradients announced with grad_ready right after (no synchronisation), under Backend; rank 0's final parameters.
+template <class Policy, class Backend>
+test::Params train_on_user_stream(int world, int accumulation) {
+  const std::vector<int> dims = {13, 37, 29, 23, 7};
+  const int global_batch = 12, steps = 6;
+  const mlp::Dataset data(global_batch * accumulation * steps, dims.front(), dims.back(), 7);
+  test::Params result;
+  std::mutex m;
+  tandem::LocalGroup group(world);
+  group.run([&](tandem::LocalComm& comm) {
+    // HostBackend runs everything on the calling thread: there the user's work must too (Stream{}).
+    constexpr bool streamed = !std::is_same_v<Backend, tandem::HostBackend>;
+    tandem::HostStream user({.max_delay = 300us, .seed = 99u + static_cast<std::uint64_t>(comm.rank())});
+    const tandem::Stream user_stream = streamed ? user.stream() : tandem::Stream{};
+    mlp::Mlp<float> model(dims, 42 + static_cast<std::uint64_t>(comm.rank()) * 1000);
+    const Backend backend{};
+    tandem::DataParallel<Policy, tandem::AdamW, Backend> dp(comm, model.tensors(), {.lr = 3e-3f},
+                                                            {.bucket_cap_bytes = 1024,
+                                                             .first_bucket_cap_bytes = 512,
+                                                             .accumulation_steps = accumulation,
+                                                             .max_grad_norm = 1.0f,
+                                                             .non_finite = tandem::NonFinite::skip_step,
+                                                             .stream = user_stream},
+                                                            backend);
+    dp.broadcast_parameters(world - 1);
+    const int local = global_batch / world;
+    const tandem::StreamHostBackend enqueue;
+    for (int step = 0; step < steps; ++step)
+      for (int micro = 0; micro < accumulation; ++micro) {
+        const int begin = (step * accumulation + micro) * global_batch + comm.rank() * local;
+        enqueue.launch(1, Task{[&model, &data, begin, local] { model.forward_backward(data, begin, local); }},
+                       user_stream);
+        for (std::size_t i = model.tensors().size(); i-- > 0;) dp.grad_ready(i);
+        dp.step();
+      }
+    user.synchronize();
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      result = test::as_float(model.params());
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("training with backward on the user's stream equals HostBackend bit for bit", Policy,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  for (int world : {1, 3})
+    for (int accumulation : {1, 2}) {
+      CAPTURE(world);
+      CAPTURE(accumulation);
+      const test::Params reference = train_on_user_stream<Policy, tandem::HostBackend>(world, accumulation);
+      const test::Params streamed = train_on_user_stream<Policy, test::DelayedStreamBackend>(world, accumulation);
+      CHECK(test::bitwise_equal(streamed, reference));
+    }
+}
