@@ -4,7 +4,9 @@
 # tandemConfig.cmake, so that both define them the same way:
 #
 #   tandem::cuda  INTERFACE: tandem::tandem + CUDA::cudart + CCCL::CCCL (CUB and libcu++ from the same toolkit, by
-#                 its CCCL package; a toolkit without one gives CUB through its include directory)
+#                 its CCCL package; a toolkit without one gives CUB through its include directory).
+#                 CUDA::cudart_static instead where TANDEM_CUDA_STATIC_RUNTIME is ON (binaries that travel to a
+#                 machine whose libcudart may differ: tools/gpu-check's bundle).
 #   tandem::nccl  INTERFACE: tandem::cuda + NCCL (nccl.h and libnccl; looked for next to the CUDA toolkit first,
 #                 then under NCCL_ROOT / NCCL_HOME, then in the system paths)
 #
@@ -28,7 +30,11 @@ if(TARGET CUDA::cudart)
                    PATHS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/lib64/cmake")
     endif()
     add_library(tandem::cuda INTERFACE IMPORTED ${_tandem_cuda_scope})
-    target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart)
+    if(TANDEM_CUDA_STATIC_RUNTIME AND TARGET CUDA::cudart_static)
+      target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart_static)
+    else()
+      target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart)
+    endif()
     if(TARGET CCCL::CCCL)
       target_link_libraries(tandem::cuda INTERFACE CCCL::CCCL)
       # CCCL's component targets are not imported ones, so their headers would reach a consumer as ordinary

@@ -113,10 +113,7 @@ TEST_CASE("bf16 parameters with accumulation on one GPU track the host") {
 }
 
 TEST_CASE_TEMPLATE("2 GPU ranks (NCCL) match 2 host ranks", Policy, tandem::Replicated, tandem::GradientSharded) {
-  if (tandem::visible_cuda_devices() < 2) {
-    MESSAGE("SKIPPED: fewer than 2 GPUs, the multi-GPU case does not run");
-    return;
-  }
+  test::require_gpus(2);  // fewer GPUs: reported as skipped
   const tiny::Task task = test::sort_task(32 * 40);
   const tiny::TrainConfig cfg = test::sort_config(40);
   check_same_training(train_gpus<Policy>(2, cfg, task), tiny::train_local<Policy>(2, cfg, task), 1e-3);
