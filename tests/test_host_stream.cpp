@@ -101,11 +101,17 @@ TEST_CASE("an error is sticky on its stream, passes through events, and never ha
   tandem::HostStream failing, downstream;
   const tandem::StreamHostBackend backend;
   bool ran_after = false;
+  std::atomic<bool> go{false};
+  backend.launch(1, Task{[&go] {  // holds the stream until everything below is enqueued
+                   while (!go) std::this_thread::yield();
+                 }},
+                 failing.stream());
   backend.launch(1, Task{[] { throw tandem::error("injected failure"); }}, failing.stream());
   backend.launch(1, Task{[&ran_after] { ran_after = true; }}, failing.stream());
   tandem::HostEvent e;
   backend.record(e, failing.stream());
   backend.wait(downstream.stream(), e);
+  go = true;
   CHECK_THROWS_WITH_AS(failing.synchronize(), "injected failure", tandem::error);
   CHECK_FALSE(ran_after);
   CHECK_THROWS_WITH_AS(downstream.synchronize(), "injected failure", tandem::error);
@@ -211,13 +217,14 @@ TEST_CASE("destroying DataParallel waits for the user's stream before its buffer
           comm, std::vector<tandem::TensorSpec>{{"w", 64, tandem::DType::fp32}}, {.lr = 0.1f},
           {.stream = user.stream()});
       float* w = dp.param_view<float>(0);
-      std::fill(w, w + 64, 3.0f);
+      const tandem::StreamHostBackend backend;
+      backend.launch(1, Task{[w] { std::fill(w, w + 64, 3.0f); }}, user.stream());  // initial values, on the stream
       dp.broadcast_parameters();
-      tandem::StreamHostBackend{}.launch(1, Task{[w, &seen] {  // the user's stream reads a view, slowly
-                                           std::this_thread::sleep_for(20ms);
-                                           std::copy(w, w + 64, seen.begin());
-                                         }},
-                                         user.stream());
+      backend.launch(1, Task{[w, &seen] {  // the user's stream reads a view, slowly
+                       std::this_thread::sleep_for(20ms);
+                       std::copy(w, w + 64, seen.begin());
+                     }},
+                     user.stream());
     }
     user.synchronize();
     CHECK(seen == std::vector<float>(64, 3.0f));

@@ -16,16 +16,20 @@
 // and grad_flat, and pack/unpack disappear.
 //
 // Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream.
-// Every public call enters by making the work stream wait for an event recorded on the user's stream, and a call
-// that ends the user's hold on its buffers (step, broadcast_parameters, load_checkpoint) leaves by making the user's
-// stream wait for an event recorded on the work stream. All of tandem's own buffers are used only on the work
-// stream, so its program order is their reuse order. On the host backend events are empty and calls are no-ops.
+// Every public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream
+// wait for an event recorded on the user's stream, and a call that ends the user's hold on its buffers (construction,
+// step, broadcast_parameters, load_checkpoint) leaves by making the user's stream wait for an event recorded on the
+// work stream, also when it throws. The destructor enters, so that the buffers, freed in order on the work stream,
+// outlive the user's work on them. All of tandem's own buffers are used only on the work stream, so its program order
+// is their reuse order. On HostBackend events are empty and calls are no-ops; StreamHostBackend runs all of it for
+// real on worker threads (backend/host_stream.hpp), which is where the suite tests this protocol.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -122,23 +126,34 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
+  /// The buffers are freed in order on the work stream (cudaFreeAsync on CUDA), after it has waited for everything
+  /// issued so far on the user's stream, which may still read the views or the parameters tandem wrote.
+  ~DataParallel() {
+    try {
+      const StreamScope scope(*this, Exit::stay);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem: ~DataParallel: the work stream could not wait for the user's stream: %s\n",
+                   e.what());
+    }
+  }
+
   /// Makes every rank's parameters equal to `root`'s (its buffers, or its views with owned storage) and
   /// re-derives the fp32 master weights from them.
   TANDEM_COLD void broadcast_parameters(int root = 0) {
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
-    enter();
+    StreamScope scope(*this, Exit::leave);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
-      if (storage_ == Storage::user && rank_ == root) pack_params(b);
+      if (storage_ == Storage::user && rank_ == root) pack_params(scope, b);
       void* flat = param_bucket(b);
       comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());
-      if (storage_ == Storage::user && rank_ != root) unpack_params(b);
+      if (storage_ == Storage::user && rank_ != root) unpack_params(scope, b);
     }
-    init_masters();
+    init_masters(scope);
     synced_ = true;
-    leave();
+    scope.leave();
   }
 
   /// Optional, for overlap: tensor i's gradient for this micro-step is complete on the user's stream (call it from
@@ -157,7 +172,9 @@ class DataParallel {
                    layout_.describe(i) + "); call it once per tensor between two step() calls");
     ready_[i] = 1;
     ++bucket_ready_[plan_.placement(i).bucket];
-    issue_ready_buckets(false);
+    if (!next_bucket_complete()) return;
+    StreamScope scope(*this, Exit::stay);  // the gradients written so far on the user's stream; the rest of backward
+    issue_ready_buckets(scope, false);     // must not wait for tandem, so the user's stream does not wait here
   }
 
   /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
@@ -166,13 +183,16 @@ class DataParallel {
     check_stepping("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
-    issue_ready_buckets(true);  // the buckets grad_ready has not issued yet
+    // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
+    // the user's stream may still be reading after its last grad_ready.
+    StreamScope scope(*this, Exit::leave);
+    issue_ready_buckets(scope, true);  // the buckets grad_ready has not issued yet
     std::fill(ready_.begin(), ready_.end(), 0);
     std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
     next_bucket_ = 0;
     if (!boundary) {
       ++micro_;
-      leave();
+      scope.leave();
       return {.updated = false, .step = step_};
     }
 
@@ -180,7 +200,7 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode; with owned storage it is applied here.
     const float average = storage_ == Storage::user ? 1.0f : pack_scale;
     if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
-      result.grad_norm = std::sqrt(global_sum_of_squares()) * average;
+      result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
         detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
                      std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
@@ -191,7 +211,7 @@ class DataParallel {
         ++skipped_;
         result.skipped = true;
         result.step = step_;
-        leave();
+        scope.leave();
         return result;
       }
       if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
@@ -200,16 +220,16 @@ class DataParallel {
     ++step_;
     const auto scalars = Opt::scalars(optimizer_, step_);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      update(b, scalars, average * result.clip_coefficient);
+      update(scope, b, scalars, average * result.clip_coefficient);
       P::gather_parameters(comm_, view(b, nullptr));
-      if (storage_ == Storage::user) unpack_params(b);
+      if (storage_ == Storage::user) unpack_params(scope, b);
     }
     if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
       backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
     micro_ = 0;
     result.updated = true;
     result.step = step_;
-    leave();
+    scope.leave();
     return result;
   }
 
@@ -249,7 +269,7 @@ class DataParallel {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
-    enter();
+    const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
     const std::vector<float> masters = pdtype_ == DType::fp32 ? std::vector<float>{} : gather_owned(master_.data());
     std::vector<unsigned char> params(rank_ == 0 ? param_flat_.bytes() : 0);
     if (rank_ == 0) backend_.read(params.data(), param_flat_.data(), params.size(), work_stream());
@@ -302,9 +322,9 @@ class DataParallel {
       problem = e.what();
     }
     all_ranks_succeed(problem);
-    enter();
-    // backend_.copy from host memory: the copies read `c` before they return (pageable host memory), and `c`
-    // outlives them anyway until the read in unpack or the end of this call.
+    StreamScope scope(*this, Exit::leave);
+    // backend_.copy from host memory: a copy may read `c` as late as when it runs on the work stream (the
+    // stream-faithful backend's rule), so `c` must outlive them: the synchronize below.
     for (std::size_t i = 0; i < layout_.size(); ++i) {
       const std::size_t at = flat_index(i), n = layout_[i].numel;
       if (n == 0) continue;
@@ -324,9 +344,9 @@ class DataParallel {
     micro_ = 0;
     synced_ = true;
     if (storage_ == Storage::user)
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(b);
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(scope, b);
     backend_.synchronize(work_stream());  // `c` (host memory the copies read) ends with this call
-    leave();
+    scope.leave();
   }
 
   /// Bytes this rank holds for training, by category, counted from the actual allocations.
@@ -380,18 +400,47 @@ class DataParallel {
   /// tandem's work stream (the backend's).
   Stream work_stream() const { return backend_.stream(); }
 
-  /// Later work on the work stream waits for everything issued so far on the user's stream.
-  void enter() {
-    backend_.record(user_event_, options_.stream);
-    backend_.wait(work_stream(), user_event_);
-  }
+  /// How a call's hold on the user's buffers ends.
+  enum class Exit {
+    leave,  ///< the user's stream waits for the work stream when the call ends
+    stay    ///< it does not (grad_ready: the rest of backward must not wait for tandem; save_checkpoint only reads)
+  };
 
-  /// Later work on the user's stream waits for everything issued so far on the work stream: the user may then
-  /// read the parameters and overwrite the gradients.
-  void leave() {
-    backend_.record(work_event_, work_stream());
-    backend_.wait(options_.stream, work_event_);
-  }
+  /// One public call's scope on the two streams, an RAII pair so that neither half can be missed. On entry, later work
+  /// on the work stream waits for everything issued so far on the user's stream (the gradients, and the parameters
+  /// or views as the user left them). On leaving (Exit::leave), later work on the user's stream waits for everything
+  /// issued so far on the work stream: the user may then read the parameters and overwrite the gradients. It leaves
+  /// in its destructor too when the call throws. Every function that issues work touching the user's buffers takes
+  /// the scope as its first argument, so that such work cannot be issued outside one.
+  class StreamScope {
+   public:
+    StreamScope(DataParallel& dp, Exit exit) : dp_(dp), exit_(exit) {
+      dp_.backend_.record(dp_.user_event_, dp_.options_.stream);
+      dp_.backend_.wait(dp_.work_stream(), dp_.user_event_);
+    }
+    StreamScope(const StreamScope&) = delete;
+    StreamScope& operator=(const StreamScope&) = delete;
+    /// Leaves now (Exit::leave), reporting what the streams report; the destructor then does nothing.
+    void leave() {
+      if (std::exchange(exit_, Exit::stay) == Exit::leave) leave_now();
+    }
+    ~StreamScope() {
+      if (exit_ != Exit::leave) return;
+      try {
+        leave_now();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem: leaving a failed call, the streams reported: %s\n", e.what());
+      }
+    }
+
+   private:
+    void leave_now() {
+      dp_.backend_.record(dp_.work_event_, dp_.work_stream());
+      dp_.backend_.wait(dp_.options_.stream, dp_.work_event_);
+    }
+    DataParallel& dp_;
+    Exit exit_;
+  };
 
   void check_stepping(const char* what) const {
     Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
@@ -407,19 +456,19 @@ class DataParallel {
 
   /// Issues the buckets, in bucket order, from next_bucket_ on: while each is complete (all its tensors
   /// grad_ready), or all of them when `all`.
-  void issue_ready_buckets(bool all) {
-    bool entered = false;
-    for (; next_bucket_ < plan_.num_buckets(); ++next_bucket_) {
-      const std::size_t b = next_bucket_;
-      if (!all && bucket_ready_[b] != plan_.bucket(b).tensors.size()) break;
-      if (!entered) enter();  // the gradients written so far on the user's stream
-      entered = true;
-      issue_bucket(b);
-    }
+  void issue_ready_buckets(const StreamScope& scope, bool all) {
+    for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_)
+      issue_bucket(scope, next_bucket_);
+  }
+
+  /// Whether every tensor of the next bucket to issue has been announced by grad_ready.
+  bool next_bucket_complete() const {
+    return next_bucket_ < plan_.num_buckets() &&
+           bucket_ready_[next_bucket_] == plan_.bucket(next_bucket_).tensors.size();
   }
 
   /// One micro-step's work on bucket b: pack its gradients and reduce them as the policy says.
-  void issue_bucket(std::size_t b) {
+  void issue_bucket(const StreamScope& scope, std::size_t b) {
     const bool first = micro_ == 0;
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
@@ -428,7 +477,7 @@ class DataParallel {
     if constexpr (P::reduction == GradientReduction::every_micro_step) {
       float* send = storage_ == Storage::user ? staging_.data() : grad_flat_.data() + bucket.offset;
       if (storage_ == Storage::user) {
-        pack_grads(b, send, WriteMode::assign, pack_scale);
+        pack_grads(scope, b, send, WriteMode::assign, pack_scale);
         for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
           backend_.zero(send + gap.begin, gap.size() * sizeof(float), work_stream());
       }
@@ -438,7 +487,7 @@ class DataParallel {
       if (storage_ == Storage::owned) backend_.zero(send, bucket.size * sizeof(float), work_stream());
     } else {
       float* grads = grad_flat_.data() + bucket.offset;
-      if (storage_ == Storage::user) pack_grads(b, grads, mode, pack_scale);
+      if (storage_ == Storage::user) pack_grads(scope, b, grads, mode, pack_scale);
       if (boundary) P::reduce_gradients(comm_, view(b, grads));
     }
   }
@@ -477,7 +526,7 @@ class DataParallel {
       problem = "tandem: an unknown exception was thrown while validating the arguments";
     }
     agree_across_ranks(problem);
-    enter();  // the user's buffers as written on the user's stream
+    StreamScope scope(*this, Exit::leave);  // the user's buffers as written on the user's stream
 
     pdtype_ = layout_[0].dtype;
     psize_ = dtype_size(pdtype_);
@@ -494,11 +543,11 @@ class DataParallel {
     bucket_ready_.assign(plan_.num_buckets(), 0);
     if (storage_ == Storage::user) {
       build_pack_tables();
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) pack_params(b);
-      init_masters();
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) pack_params(scope, b);
+      init_masters(scope);
       synced_ = true;
     }
-    leave();
+    scope.leave();
   }
 
   void check_view(std::size_t i, const char* what) const {
@@ -730,7 +779,7 @@ class DataParallel {
     return store_hint_for(plan_.bucket(b).size * element_bytes);
   }
 
-  void pack_params(std::size_t b) {
+  void pack_params(const StreamScope&, std::size_t b) {
     const PackTableView& t = param_tables_[b];
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
@@ -741,7 +790,7 @@ class DataParallel {
     });
   }
 
-  void unpack_params(std::size_t b) {
+  void unpack_params(const StreamScope&, std::size_t b) {
     const PackTableView& t = param_tables_[b];
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
@@ -752,7 +801,7 @@ class DataParallel {
     });
   }
 
-  void pack_grads(std::size_t b, float* bucket, WriteMode mode, float scale) {
+  void pack_grads(const StreamScope&, std::size_t b, float* bucket, WriteMode mode, float scale) {
     const PackTableView& t = grad_tables_[b];
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
@@ -800,7 +849,7 @@ class DataParallel {
   ///
   /// Every term is summed into backend memory, combined there in that order (OrderedSumBody), all-reduced there,
   /// and only the total is read back: the one point where step() waits for the work stream (docs/cuda.md).
-  double global_sum_of_squares() {
+  double global_sum_of_squares(const StreamScope&) {
     const std::size_t buckets = plan_.num_buckets();
     const std::size_t ranks = P::state == StateSharding::replicated ? static_cast<std::size_t>(world_) : 1;
     if (norm_terms_.size() != ranks * buckets + 1)
@@ -823,7 +872,7 @@ class DataParallel {
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
-  TANDEM_COLD void init_masters() {
+  TANDEM_COLD void init_masters(const StreamScope&) {
     if (pdtype_ == DType::fp32) return;
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
@@ -836,7 +885,7 @@ class DataParallel {
     });
   }
 
-  void update(std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
+  void update(const StreamScope&, std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
     const Range r = owned_range(b);
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
