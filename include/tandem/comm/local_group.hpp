@@ -650,6 +650,52 @@ TANDEM_COLD inline std::string exception_message(const std::exception_ptr& e) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// The threads of a group's run(): rank_body(state, rank) once per rank, each on its own thread, all joined. A rank
+/// whose body returns departs; one whose body throws aborts the group, so that ranks waiting in (or later entering)
+/// a rendezvous throw peer_error instead of hanging. Rethrows the first exception that was not a peer_error.
+/// LocalGroup and DeviceGroup (comm/device_group.hpp) share it.
+template <class RankBody>
+void run_ranks(int size, std::chrono::milliseconds timeout, RankBody&& rank_body) {
+  LocalGroupState state(size, timeout);
+  const auto rank_main = [&](int rank) {
+    std::exception_ptr failure;
+    LocalFailure kind = LocalFailure::original;
+    try {
+      rank_body(state, rank);
+      state.depart(rank);
+      return;
+    } catch (const peer_error&) {
+      failure = std::current_exception();
+      kind = LocalFailure::peer;
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    state.record_failure(failure, kind);
+    try {
+      state.abort(rank, exception_message(failure));
+    } catch (...) {  // no memory for the message: abort without it
+      state.abort(rank, std::string());
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(size));
+  for (int rank = 0; rank < size; ++rank) {
+    try {
+      threads.emplace_back(rank_main, rank);
+    } catch (...) {  // the ranks already started must not wait for this one
+      state.record_failure(std::current_exception(), LocalFailure::original);
+      state.abort(rank, "could not start its thread: " + exception_message(std::current_exception()));
+      break;
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  state.rethrow_first();
+}
+
+}  // namespace detail
+
 class LocalGroup;
 
 /// One rank's handle inside LocalGroup::run. A LocalComm belongs to its rank's thread: call it from that thread only,
@@ -763,42 +809,11 @@ class LocalGroup {
   template <class F>
   void run(F&& body) {
     static_assert(std::is_invocable_v<F&, LocalComm&>, "LocalGroup::run needs a body callable as body(LocalComm&)");
-    detail::LocalGroupState state(size_, options_.timeout);
-    const auto rank_main = [&](int rank) {
+    detail::run_ranks(size_, options_.timeout, [&](detail::LocalGroupState& state, int rank) {
       LocalComm comm(state, rank);
-      std::exception_ptr failure;
-      detail::LocalFailure kind = detail::LocalFailure::original;
-      try {
-        std::invoke(body, comm);
-        comm.finish_pending();
-        state.depart(rank);
-        return;
-      } catch (const peer_error&) {
-        failure = std::current_exception();
-        kind = detail::LocalFailure::peer;
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      state.record_failure(failure, kind);
-      try {
-        state.abort(rank, detail::exception_message(failure));
-      } catch (...) {  // no memory for the message: abort without it
-        state.abort(rank, std::string());
-      }
-    };
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<std::size_t>(size_));
-    for (int rank = 0; rank < size_; ++rank) {
-      try {
-        threads.emplace_back(rank_main, rank);
-      } catch (...) {  // the ranks already started must not wait for this one
-        state.record_failure(std::current_exception(), detail::LocalFailure::original);
-        state.abort(rank, "could not start its thread: " + detail::exception_message(std::current_exception()));
-        break;
-      }
-    }
-    for (std::thread& t : threads) t.join();
-    state.rethrow_first();
+      std::invoke(body, comm);
+      comm.finish_pending();
+    });
   }
 
  private:
