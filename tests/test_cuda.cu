@@ -7,14 +7,27 @@
 //   - DataParallel<..., CudaBackend, Nccl> at one rank equals DataParallel on the host for all three policies
 //     (clipping, accumulation, grad_ready on a user stream, zero-copy views on the device);
 //   - with two or more GPUs: NcclGroup over every device equals LocalGroup on the host.
+// And the backend's and the communicator's own contracts:
+//   - a CudaBackend on another device never changes the caller's current device (two or more GPUs);
+//   - read/synchronize on a stream blocked behind a kernel spinning on a host flag end in timeout_error, and so
+//     does Nccl::wait_stream, which also aborts the communicator;
+//   - sum_to allocates nothing after its first call (the pool's high watermark), on the work stream or another;
+//   - a host_queue Stream is refused by CudaBackend and Nccl;
+//   - in an NcclGroup, a rank that throws releases the others (peer_error, long before the timeout) and run()
+//     rethrows its exception (two or more GPUs).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "support/gpu_main.hpp"
@@ -42,6 +55,15 @@ struct Device {
     TANDEM_CUDA_CHECK(cudaMemcpy(host, p + at, count * sizeof(T), cudaMemcpyDeviceToHost));
   }
 };
+
+/// n draws of N(0, 1) from a generator seeded with `seed`.
+std::vector<float> normal_floats(std::size_t n, unsigned seed) {
+  std::vector<float> x(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : x) v = dist(rng);
+  return x;
+}
 
 double relative_error(const std::vector<float>& a, const std::vector<float>& ref) {
   double d = 0, r = 0;
@@ -322,10 +344,7 @@ TEST_CASE_TEMPLATE("CUDA optimizer updates are within 1e-6 relative of the host"
 
 TEST_CASE("CUDA sum of squares: deterministic, and equal to the host's within 1e-12") {
   const std::size_t n = (1 << 22) + 17;
-  std::vector<float> x(n);
-  std::mt19937 rng(8);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (auto& v : x) v = dist(rng);
+  const std::vector<float> x = normal_floats(n, 8);
   Device<float> dx(n);
   dx.upload(x.data(), n);
   const tandem::CudaBackend cuda;
@@ -366,5 +385,223 @@ TEST_CASE_TEMPLATE("DataParallel over every GPU (NcclGroup) equals LocalGroup on
       if (comm.rank() == 0) got = std::move(mine);
     });
     for (std::size_t i = 0; i < ref.size(); ++i) CHECK(relative_error(got[i], ref[i]) <= 1e-5);
+  }
+}
+
+// ---- CudaBackend and Nccl on a real device: the current device, bounded waits, sum_to's scratch ------------------
+
+namespace {
+
+/// A flag in mapped host memory that spin_until_set waits for: a stream running it is blocked until release().
+struct HostFlag {
+  int* host = nullptr;
+  HostFlag() {
+    TANDEM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(int), cudaHostAllocMapped));
+    release(0);
+  }
+  ~HostFlag() {
+    release();  // whatever happened, the kernel ends (cudaFreeHost waits for the device)
+    cudaFreeHost(host);
+  }
+  HostFlag(const HostFlag&) = delete;
+  HostFlag& operator=(const HostFlag&) = delete;
+  void release(int value = 1) { std::atomic_ref<int>(*host).store(value); }
+  const int* device() const {
+    int* d = nullptr;
+    TANDEM_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), host, 0));
+    return d;
+  }
+};
+
+__global__ void spin_until_set(const volatile int* flag) {
+  while (*flag == 0) __nanosleep(1000);
+}
+
+std::uint64_t pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attribute) {
+  std::uint64_t value = 0;
+  TANDEM_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attribute, &value));
+  return value;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+  TEST_CASE("CudaBackend on another device leaves the caller's current device unchanged") {
+    test::require_gpus(2);
+    TANDEM_CUDA_CHECK(cudaSetDevice(0));
+    const std::size_t n = 10000;
+    std::vector<float> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 7) - 3.0f;
+    double want = 0.0;
+    for (float v : x) want += double(v) * v;
+    {
+      tandem::CudaBackend moved(tandem::CudaBackendOptions{.device = 1});
+      CHECK(tandem::detail::current_device() == 0);
+      const tandem::CudaBackend cuda(std::move(moved));
+      CHECK(cuda.device() == 1);
+      auto buf = cuda.allocate<float>(n);
+      cudaPointerAttributes attributes{};
+      TANDEM_CUDA_CHECK(cudaPointerGetAttributes(&attributes, buf.data()));
+      CHECK(attributes.device == 1);
+      CHECK(tandem::detail::current_device() == 0);
+      cuda.zero(buf.data(), buf.bytes(), cuda.stream());
+      cuda.copy(buf.data(), x.data(), n * sizeof(float), cuda.stream());
+      auto event = cuda.make_event();
+      cuda.record(event, cuda.stream());
+      cuda.wait(tandem::Stream{}, event);  // the default stream: device 1's, not the caller's
+      const double got = cuda.sum(tandem::sum_squares_items(n), tandem::SumSquaresBody{buf.data(), n}, cuda.stream());
+      CHECK(got == doctest::Approx(want).epsilon(1e-12));
+      std::vector<float> back(n);
+      cuda.read(back.data(), buf.data(), n * sizeof(float), cuda.stream());
+      CHECK(back == x);
+      cuda.synchronize(tandem::Stream{});
+      CHECK(tandem::detail::current_device() == 0);
+    }  // the buffer, the event and the backend free themselves on device 1
+    CHECK(tandem::detail::current_device() == 0);
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
+
+  TEST_CASE("CudaBackend::read and synchronize end in timeout_error when the stream never gets there") {
+    using namespace std::chrono_literals;
+    const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.timeout = 300ms});
+    const auto src = cuda.allocate<double>(1);
+    cuda.zero(src.data(), src.bytes(), cuda.stream());
+    HostFlag flag;
+    spin_until_set<<<1, 1, 0, static_cast<cudaStream_t>(cuda.stream().handle)>>>(flag.device());
+    TANDEM_CUDA_CHECK(cudaGetLastError());
+    double host = 7.0;
+    auto start = std::chrono::steady_clock::now();
+    try {
+      cuda.read(&host, src.data(), sizeof host, cuda.stream());
+      FAIL("read returned while its stream was blocked");
+    } catch (const tandem::timeout_error& e) {
+      const std::string what = e.what();
+      CAPTURE(what);
+      CHECK(what.find("CudaBackend::read of 8 bytes") != std::string::npos);
+      CHECK(what.find("300 ms") != std::string::npos);
+      CHECK(what.find("Nothing was copied") != std::string::npos);
+    }
+    CHECK(seconds_since(start) >= 0.3);
+    CHECK(seconds_since(start) < 30.0);
+    CHECK(host == 7.0);  // nothing was copied, nothing will be
+    start = std::chrono::steady_clock::now();
+    try {
+      cuda.synchronize(cuda.stream());
+      FAIL("synchronize returned while its stream was blocked");
+    } catch (const tandem::timeout_error& e) {
+      CHECK(std::string(e.what()).find("CudaBackend::synchronize") != std::string::npos);
+    }
+    CHECK(seconds_since(start) >= 0.3);
+    flag.release();
+    cuda.read(&host, src.data(), sizeof host, cuda.stream());  // the kernel has ended: the stream gets there
+    CHECK(host == 0.0);
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
+
+  TEST_CASE("Nccl::wait_stream on a stream that never gets there: timeout_error, and the communicator is aborted") {
+    using namespace std::chrono_literals;
+    tandem::NcclGroup({0}, {.timeout = 300ms}).run([&](tandem::Nccl& comm) {
+      cudaStream_t s = nullptr;
+      TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      {
+        HostFlag flag;
+        spin_until_set<<<1, 1, 0, s>>>(flag.device());
+        TANDEM_CUDA_CHECK(cudaGetLastError());
+        const auto start = std::chrono::steady_clock::now();
+        CHECK_THROWS_AS(comm.wait_stream(tandem::Stream{s}, "a test's wait"), tandem::timeout_error);
+        CHECK(seconds_since(start) < 30.0);
+        CHECK(comm.native() == nullptr);  // aborted: a later call fails at once
+        CHECK_THROWS_AS(comm.barrier(), tandem::nccl_error);
+      }  // the kernel ends
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
+      TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
+    });
+  }
+
+  TEST_CASE("CudaBackend::sum_to allocates nothing after its first call, whichever stream it runs on") {
+    const tandem::CudaBackend cuda;
+    cudaMemPool_t pool = nullptr;
+    TANDEM_CUDA_CHECK(cudaDeviceGetMemPool(&pool, cuda.device()));
+    const std::size_t n = (1 << 22) + 17, part = n / 3;
+    const std::vector<float> x = normal_floats(n, 21);
+    Device<float> dx(n);
+    dx.upload(x.data(), n);
+    Device<double> out(4);  // cudaMalloc: outside the pool
+    cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, out.p, cuda.stream());
+    cuda.synchronize(cuda.stream());
+    const std::uint64_t used = pool_attribute(pool, cudaMemPoolAttrUsedMemCurrent);
+    std::uint64_t zero = 0;  // resets the high watermark
+    TANDEM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    cudaStream_t other = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    for (int i = 0; i < 4; ++i) {
+      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, out.p + 1, cuda.stream());
+      cuda.sum_to(tandem::sum_squares_items(part), tandem::SumSquaresBody{dx.p, part}, out.p + 2, cuda.stream());
+      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, out.p + 3, tandem::Stream{other});
+    }
+    cuda.synchronize(cuda.stream());
+    cuda.synchronize(tandem::Stream{other});
+    CHECK(pool_attribute(pool, cudaMemPoolAttrUsedMemHigh) <= used);  // an allocation would have raised it
+    CHECK(pool_attribute(pool, cudaMemPoolAttrUsedMemCurrent) == used);
+    double got[4];
+    out.download(got, 4);
+    CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);  // the reused scratch: the same bits every time
+    CHECK(std::memcmp(&got[3], &got[0], sizeof(double)) == 0);
+    const double h = tandem::HostBackend{}.sum(tandem::sum_squares_items(part), tandem::SumSquaresBody{x.data(), part});
+    CHECK(std::abs(got[2] - h) <= 1e-12 * h);
+    TANDEM_CUDA_CHECK(cudaStreamDestroy(other));
+  }
+
+  TEST_CASE("CudaBackend and Nccl refuse a host_queue stream") {
+    int not_a_stream = 0;
+    const tandem::Stream queue{&not_a_stream, tandem::StreamKind::host_queue};
+    const tandem::CudaBackend cuda;
+    const auto buf = cuda.allocate<float>(4);
+    try {
+      cuda.zero(buf.data(), buf.bytes(), queue);
+      FAIL("zero accepted a host_queue stream");
+    } catch (const tandem::error& e) {
+      CHECK(std::string(e.what()).find("host_queue") != std::string::npos);
+    }
+    CHECK_THROWS_AS(cuda.synchronize(queue), tandem::error);
+    CHECK_THROWS_AS(tandem::CudaBackend(tandem::CudaBackendOptions{.stream = queue}), tandem::error);
+    tandem::NcclGroup({0}).run([&](tandem::Nccl& comm) {
+      CHECK_THROWS_AS(comm.all_reduce(buf.data(), buf.data(), 4, tandem::DType::fp32, tandem::ReduceOp::sum, queue),
+                      tandem::error);
+    });
+  }
+
+  TEST_CASE("NcclGroup: a rank that throws aborts the others' collectives, and run() rethrows its exception") {
+    test::require_gpus(2);
+    using namespace std::chrono_literals;
+    struct RankFailed : std::runtime_error {
+      using std::runtime_error::runtime_error;
+    };
+    std::atomic<int> abandoned{0};
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      tandem::NcclGroup({0, 1}, {.timeout = 60s}).run([&](tandem::Nccl& comm) {
+        Device<float> x(1024);
+        comm.barrier();  // both ranks have joined
+        if (comm.rank() == 1) throw RankFailed("rank 1 fails before its all-reduce");
+        try {
+          comm.all_reduce(x.p, x.p, 1024, tandem::DType::fp32, tandem::ReduceOp::sum, tandem::Stream{});
+          comm.wait_stream(tandem::Stream{}, "an all-reduce whose peer failed");
+        } catch (const tandem::peer_error& e) {
+          ++abandoned;
+          CHECK(std::string(e.what()).find("rank 1 fails before its all-reduce") != std::string::npos);
+          throw;
+        }
+      });
+      FAIL("run() returned although rank 1 threw");
+    } catch (const RankFailed& e) {
+      CHECK(std::string(e.what()) == "rank 1 fails before its all-reduce");
+    }
+    CHECK(abandoned == 1);
+    CHECK(seconds_since(start) < 30.0);  // far below the 60 s timeout: rank 0 was released by the abort, not by it
   }
 }

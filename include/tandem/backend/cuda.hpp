@@ -2,17 +2,35 @@
 // The CUDA backend: the interface DataParallel uses from HostBackend (Buffer<T>, allocate, zero, copy, launch,
 // sum), plus what only a device needs: its own work stream, events, and a read back to the host.
 //
+//   device    a backend belongs to one device (CudaBackendOptions::device, or the current one at construction) and
+//             never changes the calling thread's current device: each call makes its device current for the CUDA
+//             calls it makes and restores the caller's (detail::CudaDeviceGuard; no cudaSetDevice where the device
+//             is current already). Buffers and events it made free themselves on that device the same way.
 //   memory    stream-ordered (cudaMallocAsync / cudaFreeAsync on the backend's stream, from the device's pool)
 //   launch    launch_shape(items) blocks of block_threads threads (backend/launch.hpp, the mapping host tests
 //             emulate); block b runs items b, b + grid, ... and its threads are the body's lanes. The
 //             __global__ wrappers below only forward: every computation is in the host+device bodies.
 //   sum_to    deterministic, no atomics: one block per item reduces the lane partials with cub::BlockReduce
 //             into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run deterministic) adds the
-//             item sums into *out; everything on the stream, nothing read back.
+//             item sums into *out; everything on the stream, nothing read back. Allocation-free in the steady
+//             state: the item sums and CUB's temporary storage live in scratch the backend keeps
+//             (detail::CudaScratch): it grows (stream-ordered, on the backend's stream) only when a call needs more
+//             than any call before, is never trimmed, is reused in stream order whichever stream a call names, and
+//             is freed with the backend. So a training loop allocates for clipping in its first step only, and the
+//             launches can be captured in a CUDA graph once the scratch has its size. sum() (tests, tools) still
+//             allocates its 8-byte result per call.
+//   waits     read() and synchronize() never block in cudaStreamSynchronize: they record an event and poll it with
+//             a back-off (detail::wait_event: spin, then yield, then ~50 us sleeps) for at most
+//             CudaBackendOptions::timeout, then throw tandem::timeout_error naming the call, the device and the
+//             bytes. A stream stuck behind a collective whose peers never arrive ends in that error, not a hang.
+//             read() waits for the stream to reach the copy before it enqueues it (a copy to pageable memory would
+//             otherwise block inside cudaMemcpyAsync), so on a timeout nothing was copied.
 //   events    cudaEvent_t with timing disabled: record(event, stream) and wait(stream, event) order streams.
+//   threads   calls may come from any thread, also several at once (the cached scratch and wait events are locked
+//             while a call enqueues); the streams passed must belong to the backend's device.
 //
-// Each call takes the stream last; Stream{} (a null handle) is CUDA's default stream. A backend belongs to one
-// device: call it from a thread whose current device is that device (the constructor makes it current).
+// Each call takes the stream last; Stream{} (a null handle) is CUDA's default stream of the backend's device. A
+// host_queue Stream (the stream-faithful host backend's HostStream) is refused with tandem::error.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -21,14 +39,23 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_reduce.cuh>
+#include <memory>
+#include <new>
+#include <string>
 #include <utility>
 
 #include "tandem/backend/cuda/check.hpp"
+#include "tandem/backend/cuda/device.hpp"
+#include "tandem/backend/cuda/scratch.hpp"
+#include "tandem/backend/cuda/stream.hpp"
+#include "tandem/backend/cuda/wait.hpp"
 #include "tandem/backend/launch.hpp"
+#include "tandem/core/config.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/stream.hpp"
 
@@ -38,8 +65,6 @@
 namespace tandem {
 
 namespace detail {
-
-inline cudaStream_t native(Stream s) { return static_cast<cudaStream_t>(s.handle); }
 
 /// The launch wrapper of every kernel body: forwards (block, thread) to body(item, lane, lanes).
 template <class Body>
@@ -61,25 +86,34 @@ TANDEM_KERNEL void sum_items(Body body, std::size_t items, double* item_sums) {
 
 }  // namespace detail
 
-/// An owning, typed device allocation, freed in order on the stream it was allocated on.
+/// An owning, typed device allocation, freed in order on the stream it was allocated on, with its device current.
 template <class T>
 class CudaBuffer {
  public:
   CudaBuffer() = default;
-  CudaBuffer(std::size_t n, Stream stream) : size_(n), stream_(stream) {
+  /// n elements on the current device, allocated in order on `stream` (a stream of that device).
+  CudaBuffer(std::size_t n, Stream stream) : CudaBuffer(n, stream, detail::current_device()) {}
+  /// n elements on `device`, allocated in order on `stream` (a stream of that device).
+  CudaBuffer(std::size_t n, Stream stream, int device) : size_(n), stream_(stream), device_(device) {
     if (n == 0) return;
+    const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device);
     void* p = nullptr;
-    TANDEM_CUDA_CHECK(cudaMallocAsync(&p, n * sizeof(T), detail::native(stream)));
+    TANDEM_CUDA_CHECK(cudaMallocAsync(&p, n * sizeof(T), s));
     data_ = static_cast<T*>(p);
   }
   CudaBuffer(CudaBuffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), stream_(o.stream_) {}
+      : data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)),
+        stream_(o.stream_),
+        device_(o.device_) {}
   CudaBuffer& operator=(CudaBuffer&& o) noexcept {
     if (this != &o) {
       release();
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
       stream_ = o.stream_;
+      device_ = o.device_;
     }
     return *this;
   }
@@ -93,38 +127,67 @@ class CudaBuffer {
 
  private:
   void release() noexcept {
-    if (data_) TANDEM_CUDA_LOG(cudaFreeAsync(data_, detail::native(stream_)));
+    if (data_) {
+      const detail::CudaDeviceGuard guard(device_, std::nothrow);
+      TANDEM_CUDA_LOG(cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_.handle)));  // native: checked at birth
+    }
     data_ = nullptr;
   }
   T* data_ = nullptr;
   std::size_t size_ = 0;
   Stream stream_;
+  int device_ = -1;
 };
 
-/// An event for ordering streams (timing disabled).
+/// An event for ordering streams (timing disabled), made on and destroyed with its device current.
 class CudaEvent {
  public:
-  CudaEvent() { TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  /// An event of the current device.
+  CudaEvent() : CudaEvent(-1) {}
+  /// An event of `device` (-1: the current device).
+  explicit CudaEvent(int device) : device_(device) {
+    if (device_ < 0) device_ = detail::current_device();
+    const detail::CudaDeviceGuard guard(device_);
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  }
+  CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)), device_(o.device_) {}
   CudaEvent& operator=(CudaEvent&& o) noexcept {
     std::swap(event_, o.event_);
+    std::swap(device_, o.device_);
     return *this;
   }
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   ~CudaEvent() {
-    if (event_) TANDEM_CUDA_LOG(cudaEventDestroy(event_));
+    if (!event_) return;
+    const detail::CudaDeviceGuard guard(device_, std::nothrow);
+    TANDEM_CUDA_LOG(cudaEventDestroy(event_));
   }
   cudaEvent_t get() const { return event_; }
 
  private:
   cudaEvent_t event_ = nullptr;
+  int device_ = -1;
 };
 
 struct CudaBackendOptions {
-  int device = -1;     ///< the device to use (-1: the calling thread's current device)
+  int device = -1;     ///< the device to use (-1: the calling thread's current device at construction)
   Stream stream = {};  ///< tandem's work stream (null: the backend creates a non-blocking stream and owns it)
+  /// How long read() and synchronize() wait for a stream before they throw tandem::timeout_error (as
+  /// LocalGroupOptions::timeout; milliseconds::max(): no bound).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };
+
+namespace detail {
+
+/// What a CudaBackend caches between calls: sum_to's scratch and the events read/synchronize wait on.
+struct CudaBackendCache {
+  CudaBackendCache(int device, cudaStream_t home) noexcept : scratch(device, home), events(device) {}
+  CudaScratch scratch;
+  CudaWaitEvents events;
+};
+
+}  // namespace detail
 
 class CudaBackend {
  public:
@@ -136,110 +199,181 @@ class CudaBackend {
   static constexpr bool host_memory = false;
 
   CudaBackend() : CudaBackend(CudaBackendOptions{}) {}
-  explicit CudaBackend(CudaBackendOptions options) : device_(options.device), stream_(options.stream) {
-    if (device_ >= 0)
-      TANDEM_CUDA_CHECK(cudaSetDevice(device_));
-    else
-      TANDEM_CUDA_CHECK(cudaGetDevice(&device_));
-    if (stream_.handle == nullptr) {
-      cudaStream_t s = nullptr;
+  explicit CudaBackend(CudaBackendOptions options)
+      : device_(options.device), stream_(options.stream), timeout_(options.timeout) {
+    if (timeout_.count() <= 0)
+      detail::fail("tandem: CudaBackend: `options.timeout` is " + std::to_string(timeout_.count()) +
+                   " ms; pass a positive duration (std::chrono::milliseconds::max() for no bound)");
+    cudaStream_t s = detail::native(stream_);
+    if (device_ < 0) device_ = detail::current_device();
+    const detail::CudaDeviceGuard guard(device_);
+    if (s == nullptr) {
       TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       stream_.handle = s;
       owns_stream_ = true;
+    }
+    try {
+      cache_ = std::make_unique<detail::CudaBackendCache>(device_, s);
+    } catch (...) {
+      if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(s));
+      throw;
     }
   }
   CudaBackend(CudaBackend&& o) noexcept
       : device_(o.device_),
         stream_(std::exchange(o.stream_, Stream{})),
-        owns_stream_(std::exchange(o.owns_stream_, false)) {}
+        owns_stream_(std::exchange(o.owns_stream_, false)),
+        timeout_(o.timeout_),
+        cache_(std::move(o.cache_)) {}
   CudaBackend& operator=(CudaBackend&&) = delete;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
   ~CudaBackend() {
-    // Pending work on the stream still completes; buffers freed on it later stay valid (stream-ordered).
-    if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(detail::native(stream_)));
+    // Pending work on the stream still completes; buffers freed on it later stay valid (stream-ordered). The scratch
+    // is freed on the stream before the stream is destroyed. A moved-from backend has nothing to free.
+    if (!cache_ && !owns_stream_) return;
+    const detail::CudaDeviceGuard guard(device_, std::nothrow);
+    cache_.reset();
+    if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(stream_.handle)));
   }
 
   static constexpr const char* name() { return "cuda"; }
   int device() const { return device_; }
   /// tandem's work stream: packs, collectives, updates and unpacks are ordered on it.
   Stream stream() const { return stream_; }
+  /// How long read() and synchronize() wait (CudaBackendOptions::timeout).
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
   template <class T>
   Buffer<T> allocate(std::size_t n) const {
-    return Buffer<T>(n, stream_);
+    return Buffer<T>(n, stream_, device_);
   }
 
   /// Copies `bytes` (device or host memory, either direction: unified addressing) in order on `stream`.
   void copy(void* dst, const void* src, std::size_t bytes, Stream stream = {}) const {
-    if (bytes != 0 && dst != src)
-      TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, detail::native(stream)));
+    const cudaStream_t s = detail::native(stream);
+    if (bytes == 0 || dst == src) return;
+    const detail::CudaDeviceGuard guard(device_);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
   }
 
   void zero(void* dst, std::size_t bytes, Stream stream = {}) const {
-    if (bytes != 0) TANDEM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, detail::native(stream)));
+    const cudaStream_t s = detail::native(stream);
+    if (bytes == 0) return;
+    const detail::CudaDeviceGuard guard(device_);
+    TANDEM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, s));
   }
 
-  /// Copies `bytes` from device memory to the host and waits for `stream` (not the device) to reach it.
+  /// Copies `bytes` from device memory to the host and waits (bounded by timeout()) for `stream`, not the device, to
+  /// reach it. First waits for the stream's earlier work, then copies: on a timeout_error nothing was copied and that
+  /// work is still enqueued.
   void read(void* host, const void* src, std::size_t bytes, Stream stream = {}) const {
-    copy(host, src, bytes, stream);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(detail::native(stream)));
+    const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device_);
+    const auto event = cache_->events.acquire();
+    wait_for(event.get(), s, "read", bytes, WaitPoint::before_copy);
+    if (bytes == 0 || host == src) return;
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDefault, s));
+    wait_for(event.get(), s, "read", bytes, WaitPoint::copy);  // pinned host memory: the copy is asynchronous
   }
 
   /// Runs body(item, lane, lanes) for every item: launch_shape(items) blocks, their threads the lanes.
   template <class Body>
   void launch(std::size_t items, const Body& body, Stream stream = {}) const {
+    const cudaStream_t s = detail::native(stream);
     const LaunchShape shape = launch_shape(items);
     if (shape.grid == 0) return;
-    detail::run_items<Body><<<shape.grid, shape.block, 0, detail::native(stream)>>>(body, items);
+    const detail::CudaDeviceGuard guard(device_);
+    detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
     TANDEM_CUDA_CHECK(cudaGetLastError());
   }
 
-  /// *out (device memory) = the sum over items of body(item, ...) (a double per item), deterministically.
+  /// *out (device memory) = the sum over items of body(item, ...) (a double per item), deterministically. Allocates
+  /// nothing once the backend's scratch is as large as the largest call before needed (see the file comment).
   template <class Body>
   void sum_to(std::size_t items, const Body& body, double* out, Stream stream = {}) const {
     const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device_);
     if (items == 0) {
       TANDEM_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), s));
       return;
     }
     const LaunchShape shape = launch_shape(items);
-    Buffer<double> item_sums(items, stream);
-    detail::sum_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items, item_sums.data());
-    TANDEM_CUDA_CHECK(cudaGetLastError());
     const auto n = static_cast<std::int64_t>(items);
-    std::size_t temp_bytes = 0;
-    TANDEM_CUDA_CHECK(cub::DeviceReduce::Sum(nullptr, temp_bytes, item_sums.data(), out, n, s));
-    Buffer<unsigned char> temp(temp_bytes, stream);
-    TANDEM_CUDA_CHECK(cub::DeviceReduce::Sum(temp.data(), temp_bytes, item_sums.data(), out, n, s));
+    std::size_t temp_bytes = 0;  // CUB's size query: host arithmetic only, no memory touched
+    TANDEM_CUDA_CHECK(cub::DeviceReduce::Sum(nullptr, temp_bytes, static_cast<double*>(nullptr), out, n, s));
+    // scratch: [item sums, padded to 256 bytes][CUB temporary storage]
+    const std::size_t sums_bytes = (items * sizeof(double) + 255) / 256 * 256;
+    const detail::CudaScratch::Lease scratch = cache_->scratch.lease(sums_bytes + temp_bytes, s);
+    auto* const item_sums = static_cast<double*>(scratch.data());
+    void* const temp = static_cast<unsigned char*>(scratch.data()) + sums_bytes;
+    detail::sum_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items, item_sums);
+    TANDEM_CUDA_CHECK(cudaGetLastError());
+    TANDEM_CUDA_CHECK(cub::DeviceReduce::Sum(temp, temp_bytes, item_sums, out, n, s));
   }
 
-  /// The sum of sum_to, read back to the host (waits for `stream`).
+  /// The sum of sum_to, read back to the host (waits for `stream`, as read() does).
   template <class Body>
   double sum(std::size_t items, const Body& body, Stream stream = {}) const {
-    Buffer<double> total(1, stream);
+    const Buffer<double> total(1, stream, device_);
     sum_to(items, body, total.data(), stream);
     double host = 0.0;
     read(&host, total.data(), sizeof host, stream);
     return host;
   }
 
-  Event make_event() const { return Event{}; }
+  Event make_event() const { return Event(device_); }
   /// Marks the point `stream` has reached.
   void record(Event& event, Stream stream) const {
-    TANDEM_CUDA_CHECK(cudaEventRecord(event.get(), detail::native(stream)));
+    const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device_);
+    TANDEM_CUDA_CHECK(cudaEventRecord(event.get(), s));
   }
   /// Makes later work on `stream` wait for `event` (as recorded at the time of this call); the host does not wait.
   void wait(Stream stream, const Event& event) const {
-    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(detail::native(stream), event.get(), 0));
+    const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device_);
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(s, event.get(), 0));
   }
 
-  void synchronize(Stream stream = {}) const { TANDEM_CUDA_CHECK(cudaStreamSynchronize(detail::native(stream))); }
+  /// Waits (bounded by timeout()) until `stream` has run the work enqueued on it so far.
+  void synchronize(Stream stream = {}) const {
+    const cudaStream_t s = detail::native(stream);
+    const detail::CudaDeviceGuard guard(device_);
+    const auto event = cache_->events.acquire();
+    wait_for(event.get(), s, "synchronize", 0, WaitPoint::stream);
+  }
 
  private:
+  enum class WaitPoint { stream, before_copy, copy };
+
+  /// Records `event` on `s` and waits for it, at most timeout(); throws tandem::timeout_error past it.
+  void wait_for(cudaEvent_t event, cudaStream_t s, const char* call, std::size_t bytes, WaitPoint point) const {
+    TANDEM_CUDA_CHECK(cudaEventRecord(event, s));
+    if (!detail::wait_event(event, timeout_)) throw_timeout(call, bytes, point);
+  }
+
+  [[noreturn]] TANDEM_COLD void throw_timeout(const char* call, std::size_t bytes, WaitPoint point) const {
+    std::string where = "tandem: CudaBackend::" + std::string(call);
+    if (point != WaitPoint::stream) where += " of " + std::to_string(bytes) + " bytes";
+    where += " on device " + std::to_string(device_);
+    if (detail::error_rank() >= 0) where += " (rank " + std::to_string(detail::error_rank()) + ")";
+    const std::string limit = std::to_string(timeout_.count()) + " ms (CudaBackendOptions::timeout)";
+    if (point == WaitPoint::copy)
+      throw timeout_error(where + ": the copy to host memory did not complete within " + limit +
+                          "; it is still enqueued and may yet write to the host buffer");
+    throw timeout_error(where + ": the stream's earlier work did not finish within " + limit +
+                        ": a collective waiting for a rank that failed or never called it, or a kernel that does not "
+                        "end. " +
+                        (point == WaitPoint::before_copy ? "Nothing was copied; the" : "The") +
+                        " work is still enqueued");
+  }
+
   int device_ = -1;
   Stream stream_;
   bool owns_stream_ = false;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<detail::CudaBackendCache> cache_;
 };
 
 }  // namespace tandem

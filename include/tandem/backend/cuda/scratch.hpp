@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaScratch: device memory a CudaBackend reuses from call to call (sum_to's per-item sums and CUB's temporary
+// storage), so that a call in the steady state allocates nothing: with the default pool's release threshold (0) the
+// pool is trimmed at every synchronisation, and a per-call cudaMallocAsync would then map fresh memory each step.
+//
+//   lease(bytes, stream)   at least `bytes` of it for the work the caller enqueues on `stream` while the lease lives.
+//                          The block only grows (to twice its size, or to `bytes` if more), the old block freed and the
+//                          new one allocated in stream order on the home stream (the backend's work stream); it is
+//                          freed there when the CudaScratch ends.
+//   ordering               the home stream is the scratch's one timeline. A lease on another stream makes that
+//                          stream wait for the home stream first (an event) and, when the lease ends, the home stream
+//                          wait for that stream's work: no two uses overlap, whichever streams they run on, and the
+//                          final free comes after every use. Leases on the home stream cost no event at all.
+//   threads                a lease holds a mutex while the caller enqueues (not while the device runs the work), so
+//                          one backend may be called from several threads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <mutex>
+#include <new>
+#include <utility>
+
+#include "tandem/backend/cuda/check.hpp"
+#include "tandem/backend/cuda/device.hpp"
+
+namespace tandem::detail {
+
+class CudaScratch {
+ public:
+  /// Scratch of `device` whose timeline is `home` (a stream of that device, alive for as long as the scratch).
+  CudaScratch(int device, cudaStream_t home) noexcept : device_(device), home_(home) {}
+  CudaScratch(const CudaScratch&) = delete;
+  CudaScratch& operator=(const CudaScratch&) = delete;
+  ~CudaScratch() {
+    const CudaDeviceGuard guard(device_, std::nothrow);
+    if (data_) TANDEM_CUDA_LOG(cudaFreeAsync(data_, home_));
+    if (event_) TANDEM_CUDA_LOG(cudaEventDestroy(event_));
+  }
+
+  /// The scratch for the work enqueued on one stream while it lives (see the file comment).
+  class Lease {
+   public:
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() {
+      if (stream_ == owner_->home_) return;
+      // The home stream (and so the next lease, a growth's free, the final free) waits for this lease's work.
+      TANDEM_CUDA_LOG(cudaEventRecord(owner_->event_, stream_));
+      TANDEM_CUDA_LOG(cudaStreamWaitEvent(owner_->home_, owner_->event_, 0));
+    }
+    void* data() const { return owner_->data_; }
+    std::size_t bytes() const { return owner_->bytes_; }
+
+   private:
+    friend class CudaScratch;
+    Lease(std::unique_lock<std::mutex> lock, CudaScratch* owner, cudaStream_t stream)
+        : lock_(std::move(lock)), owner_(owner), stream_(stream) {}
+    std::unique_lock<std::mutex> lock_;
+    CudaScratch* owner_;
+    cudaStream_t stream_;
+  };
+
+  /// At least `bytes` (> 0) for work on `stream`, a stream of this scratch's device. Call with that device current.
+  [[nodiscard]] Lease lease(std::size_t bytes, cudaStream_t stream) {
+    std::unique_lock lock(mutex_);
+    if (bytes > bytes_) grow(bytes);
+    if (stream != home_) {
+      if (!event_) TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+      TANDEM_CUDA_CHECK(cudaEventRecord(event_, home_));
+      TANDEM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
+    }
+    return Lease(std::move(lock), this, stream);
+  }
+
+  /// The bytes held now (0 before the first lease).
+  std::size_t capacity() const {
+    const std::lock_guard lock(mutex_);
+    return bytes_;
+  }
+
+ private:
+  void grow(std::size_t bytes) {
+    constexpr std::size_t granule = 4096;
+    const std::size_t want = (std::max(bytes, 2 * bytes_) + granule - 1) / granule * granule;
+    if (data_) {
+      void* old = std::exchange(data_, nullptr);
+      bytes_ = 0;
+      TANDEM_CUDA_CHECK(cudaFreeAsync(old, home_));
+    }
+    void* p = nullptr;
+    TANDEM_CUDA_CHECK(cudaMallocAsync(&p, want, home_));
+    data_ = p;
+    bytes_ = want;
+  }
+
+  int device_;
+  cudaStream_t home_;
+  mutable std::mutex mutex_;
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  cudaEvent_t event_ = nullptr;  // orders leases on other streams against the home stream
+};
+
+}  // namespace tandem::detail
