@@ -1,7 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper, for each dtype the
-// library uses, so that nvcc proves the bodies are host+device clean (CI has nvcc but no GPU). The CUDA
-// backend's real wrappers have the same shape.
+// Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper, for each parameter dtype
+// (fp32, bf16, fp16; parameters are never fp64), so that nvcc proves the bodies are host+device clean (CI has nvcc
+// but no GPU). The CUDA backend's real wrappers have the same shape.
+//
+// The object is also where the rounding rule (kernels/detail/rounding.hpp) can be read in the machine code:
+// `cuobjdump -sass` shows no FFMA or DFMA in any body but AdamW's, and AdamW's all come from its one correctly
+// rounded division and square root (__fdiv_rn, __fsqrt_rn expand to FFMA refinement steps; with those two replaced
+// the count is 0).
 #include <tandem/tandem.hpp>
 
 namespace {
@@ -42,4 +47,5 @@ void tandem_instantiate_bodies() {
   instantiate_for<tandem::Float16>();
   run_body<<<1, tandem::block_threads>>>(tandem::CastBody<float, float, tandem::WriteMode::accumulate>{}, 1);
   run_sum<<<1, tandem::block_threads>>>(tandem::SumSquaresBody{}, 1, nullptr);
+  run_body<<<1, tandem::block_threads>>>(tandem::OrderedSumBody{}, 1);
 }

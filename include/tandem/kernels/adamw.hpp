@@ -7,7 +7,9 @@
 //   v  = beta2 * v + (1 - beta2) * g^2
 //   w  = w - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //
-// over a flat range, elementwise (so the state shards freely), fp32 maths, the parameter-dtype write fused.
+// over a flat range, elementwise (so the state shards freely), fp32 maths, the parameter-dtype write fused. Every
+// product, quotient and square root is rounded on its own (kernels/detail/rounding.hpp): host and device give the
+// same bits.
 #pragma once
 
 #include <cmath>
@@ -16,6 +18,7 @@
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
 #include "tandem/kernels/optimizer.hpp"
 
 namespace tandem {
@@ -66,7 +69,7 @@ struct AdamW {
     return {o.beta1,
             o.beta2,
             o.eps,
-            1.0f - o.lr * o.weight_decay,
+            1.0f - detail::mul_rn(o.lr, o.weight_decay),
             static_cast<float>(double{o.lr} / bc1),
             static_cast<float>(1.0 / std::sqrt(bc2))};
   }
@@ -77,14 +80,15 @@ struct AdamW {
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      using detail::div_rn, detail::mul_rn, detail::sqrt_rn;
       detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
-        const float g = a.grad_scale * a.grad[i];
+        const float g = mul_rn(a.grad_scale, a.grad[i]);
         float& m = a.state[0][i];
         float& v = a.state[1][i];
-        float w = a.master[i] * s.decay;
-        m = s.beta1 * m + (1.0f - s.beta1) * g;
-        v = s.beta2 * v + (1.0f - s.beta2) * g * g;
-        w = w - s.step_size * m / (sqrtf(v) * s.inv_sqrt_bc2 + s.eps);
+        float w = mul_rn(a.master[i], s.decay);
+        m = mul_rn(s.beta1, m) + mul_rn(1.0f - s.beta1, g);
+        v = mul_rn(s.beta2, v) + mul_rn(mul_rn(1.0f - s.beta2, g), g);
+        w = w - div_rn(mul_rn(s.step_size, m), mul_rn(sqrt_rn(v), s.inv_sqrt_bc2) + s.eps);
         a.master[i] = w;
         a.param[i] = convert<P>(w);
       });

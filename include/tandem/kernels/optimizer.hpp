@@ -5,7 +5,8 @@
 // Data layout: element i of the range has an fp32 master weight master[i] (for fp32 parameters this is the
 // parameter itself, so param == master), a gradient grad[i] (fp32, already averaged over ranks; multiplied
 // by grad_scale on read, which carries clipping and any deferred averaging) and up to two fp32 state
-// elements state[0][i], state[1][i]. The updated weight is written to master[i] and, cast, to param[i].
+// elements state[0][i], state[1][i]. The updated weight is written to master[i] and, cast, to param[i]. Bodies
+// follow the rounding rule of kernels/detail/rounding.hpp, so an update gives the same bits on host and device.
 #pragma once
 
 #include <concepts>

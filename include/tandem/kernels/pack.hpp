@@ -6,7 +6,8 @@
 // see core/plan.hpp). Work items are chunks of at most `chunk_elements` elements of one tensor (the jagged
 // grid: a tensor gets blocks in proportion to its size), listed once at plan time in `items`, so a step does
 // no host work beyond the launch, has no kernel-parameter limit, and the tables can live in device memory.
-// Each item is a cast_segment (kernels/vector.hpp): 16-byte vectors with scalar head and tail.
+// Each item is a cast_segment (kernels/vector.hpp): 16-byte vectors with scalar head and tail, the product with the
+// scale rounded before it is accumulated (the rounding rule, kernels/detail/rounding.hpp).
 //
 //   pack   (user -> bucket): bucket[offset + j] (=|+=) cast<BucketT>(scale * user[j])
 //   unpack (bucket -> user): user[j] = cast<UserT>(scale * bucket[offset + j])

@@ -7,7 +7,8 @@
 //   g = g + momentum * b   (Nesterov)   or   g = b
 //   w = w - lr * g
 //
-// over a flat range, elementwise. Without momentum no state is kept.
+// over a flat range, elementwise. Without momentum no state is kept. Every product is rounded before it is added
+// (kernels/detail/rounding.hpp): host and device give the same bits.
 #pragma once
 
 #include <cmath>
@@ -16,6 +17,7 @@
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
 #include "tandem/kernels/optimizer.hpp"
 
 namespace tandem {
@@ -71,15 +73,16 @@ struct SGD {
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      using detail::mul_rn;
       detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
         float w = a.master[i];
-        float g = a.grad_scale * a.grad[i] + s.weight_decay * w;
+        float g = mul_rn(a.grad_scale, a.grad[i]) + mul_rn(s.weight_decay, w);
         if (s.has_momentum) {
           float& b = a.state[0][i];
-          b = s.first_step ? g : s.momentum * b + (1.0f - s.dampening) * g;
-          g = s.nesterov ? g + s.momentum * b : b;
+          b = s.first_step ? g : mul_rn(s.momentum, b) + mul_rn(1.0f - s.dampening, g);
+          g = s.nesterov ? g + mul_rn(s.momentum, b) : b;
         }
-        w = w - s.lr * g;
+        w = w - mul_rn(s.lr, g);
         a.master[i] = w;
         a.param[i] = convert<P>(w);
       });

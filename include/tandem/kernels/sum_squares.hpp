@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // Sum of squares of a flat fp32 range, for global-norm clipping. The range is cut into fixed chunks of
 // sum_squares_chunk_elements; each work item returns its chunk's sum in double, and the backend adds the
-// chunk sums in item order. The chunking is fixed, so the result does not depend on how many threads run.
+// chunk sums in item order. The chunking is fixed, so the result does not depend on how many threads run. Squares
+// follow the rounding rule (kernels/detail/rounding.hpp) like every body's products, although the square of a float is
+// exact in double, so that FMA contraction could not change this sum.
 #pragma once
 
 #include <cstddef>
 
 #include "tandem/core/config.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
 
 namespace tandem {
 
@@ -25,14 +28,14 @@ struct SumSquaresBody {
     const std::size_t begin = item * sum_squares_chunk_elements;
     const std::size_t end = begin + sum_squares_chunk_elements < n ? begin + sum_squares_chunk_elements : n;
     double s = 0.0;
-    for (std::size_t i = begin + lane; i < end; i += lanes) s += double{x[i]} * double{x[i]};
+    for (std::size_t i = begin + lane; i < end; i += lanes) s += detail::mul_rn(double{x[i]}, double{x[i]});
     return s;
   }
 };
 
 /// *out = sum over g of (sum over k of terms[g * per_group + k]), each sum from 0 in index order: how a global
 /// norm's per-(rank, bucket) terms are combined, on the device as on the host. One item; lane 0 does it all
-/// (a few hundred additions: cheaper than a round trip to the host).
+/// (a few hundred additions: cheaper than a round trip to the host). Additions only: nothing to contract.
 struct OrderedSumBody {
   const double* terms = nullptr;
   std::size_t groups = 0;

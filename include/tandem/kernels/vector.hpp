@@ -6,6 +6,8 @@
 // scalar tail. When src and dst are misaligned by different amounts no vector path exists and every element
 // goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... and the scalar
 // elements whose index is congruent to `lane`; the CUDA block's threads are the lanes, the host runs one lane.
+// The product scale * src[i] is rounded before it is added (kernels/detail/rounding.hpp), so an accumulating copy
+// gives the same bits on the host and on the device.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +22,7 @@
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
 
 namespace tandem {
 
@@ -76,7 +79,7 @@ TANDEM_HD inline std::uintptr_t misalignment16(const void* p) { return reinterpr
 
 template <class Src, class Dst, WriteMode Mode>
 TANDEM_HD inline void cast_one(const Src* src, Dst* dst, std::size_t i, float scale) {
-  const float x = scale * static_cast<float>(src[i]);
+  const float x = mul_rn(scale, static_cast<float>(src[i]));
   if constexpr (Mode == WriteMode::accumulate) {
     dst[i] = Dst(static_cast<float>(dst[i]) + x);
   } else if constexpr (std::is_same_v<Src, Dst>) {
@@ -116,7 +119,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     if constexpr (Mode == WriteMode::accumulate) d = load_vec<Dst, G>(dst + at);
     TANDEM_UNROLL
     for (std::size_t k = 0; k < G; ++k) {
-      const float x = scale * static_cast<float>(s.v[k]);
+      const float x = mul_rn(scale, static_cast<float>(s.v[k]));
       if constexpr (Mode == WriteMode::accumulate) {
         d.v[k] = Dst(static_cast<float>(d.v[k]) + x);
       } else if constexpr (std::is_same_v<Src, Dst>) {
