@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The umbrella header: data parallelism on the host backend with LocalGroup (ranks as threads), every policy and
-// optimizer. Launch helpers (tandem/comm/launch_env.hpp, file_rendezvous.hpp), Mpi (tandem/comm/mpi.hpp) and the CUDA
-// parts (tandem/backend/cuda.hpp, tandem/comm/nccl.hpp) are included by name, so that a program pays to compile only
-// what it uses.
+// optimizer, and the stream-faithful host backend (tandem/backend/host_stream.hpp, which LocalGroup uses). Launch
+// helpers (tandem/comm/launch_env.hpp, file_rendezvous.hpp), Mpi (tandem/comm/mpi.hpp), DeviceGroup
+// (tandem/comm/device_group.hpp) and the CUDA parts (tandem/backend/cuda.hpp, tandem/comm/nccl.hpp) are included by
+// name, so that a program pays to compile only what it uses.
 #pragma once
 
 #include "tandem/backend/host.hpp"

@@ -7,6 +7,7 @@
 // `cuobjdump -sass` shows no FFMA or DFMA in any body but AdamW's, and AdamW's all come from its one correctly
 // rounded division and square root (__fdiv_rn, __fsqrt_rn expand to FFMA refinement steps; with those two replaced
 // the count is 0).
+#include <tandem/kernels/collective.hpp>
 #include <tandem/tandem.hpp>
 
 namespace {
@@ -37,6 +38,7 @@ void instantiate_for() {
   run_body<<<s.grid, s.block>>>(CastBody<T, float>{}, 1);
   run_body<<<s.grid, s.block>>>(AdamW::Body<T>{}, 1);
   run_body<<<s.grid, s.block>>>(SGD::Body<T>{}, 1);
+  run_body<<<s.grid, s.block>>>(GroupReduceBody<T>{}, 1);
 }
 
 }  // namespace
@@ -48,4 +50,5 @@ void tandem_instantiate_bodies() {
   run_body<<<1, tandem::block_threads>>>(tandem::CastBody<float, float, tandem::WriteMode::accumulate>{}, 1);
   run_sum<<<1, tandem::block_threads>>>(tandem::SumSquaresBody{}, 1, nullptr);
   run_body<<<1, tandem::block_threads>>>(tandem::OrderedSumBody{}, 1);
+  run_body<<<1, tandem::block_threads>>>(tandem::GroupReduceBody<double>{}, 1);
 }

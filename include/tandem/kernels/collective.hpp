@@ -17,6 +17,7 @@
 
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
 
 namespace tandem {
 
@@ -50,23 +51,10 @@ struct GroupReduceBody {
     for (std::size_t i = begin + lane; i < end; i += lanes) {
       Acc acc = convert<Acc>(static_cast<const T*>(buffers.send[0])[src + i]);
       for (int q = 1; q < ranks; ++q) acc += convert<Acc>(static_cast<const T*>(buffers.send[q])[src + i]);
-      if (average) acc = divide(acc, static_cast<Acc>(ranks));
+      if (average) acc = detail::div_rn(acc, static_cast<Acc>(ranks));
       const T out = convert<T>(acc);
       for (int q = dst_first; q < dst_last; ++q) static_cast<T*>(buffers.recv[q])[dst + i] = out;
     }
-  }
-
- private:
-  /// a / b correctly rounded on both sides (IEEE division on the device whatever -prec-div says).
-  TANDEM_HD static Acc divide(Acc a, Acc b) {
-#if TANDEM_IN_DEVICE_CODE
-    if constexpr (std::is_same_v<Acc, double>)
-      return __ddiv_rn(a, b);
-    else
-      return __fdiv_rn(a, b);
-#else
-    return a / b;
-#endif
   }
 };
 
