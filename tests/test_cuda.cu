@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "support/device_memory.hpp"
 #include "support/gpu_main.hpp"
 #include "tandem/backend/cuda.hpp"
 #include "tandem/comm/nccl.hpp"
@@ -40,21 +41,7 @@ namespace {
 using tandem::BFloat16;
 using tandem::PackDirection;
 
-/// Device memory for a test, freed at scope end (synchronous: tests are not about overlap of allocations).
-template <class T>
-struct Device {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit Device(std::size_t count) : n(count) { TANDEM_CUDA_CHECK(cudaMalloc(&p, (n + 16) * sizeof(T))); }
-  ~Device() { cudaFree(p); }
-  Device(const Device&) = delete;
-  void upload(const T* host, std::size_t count, std::size_t at = 0) {
-    TANDEM_CUDA_CHECK(cudaMemcpy(p + at, host, count * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  void download(T* host, std::size_t count, std::size_t at = 0) const {
-    TANDEM_CUDA_CHECK(cudaMemcpy(host, p + at, count * sizeof(T), cudaMemcpyDeviceToHost));
-  }
-};
+using test::Device;
 
 /// n draws of N(0, 1) from a generator seeded with `seed`.
 std::vector<float> normal_floats(std::size_t n, unsigned seed) {

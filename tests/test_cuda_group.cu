@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "support/device_memory.hpp"
 #include "support/gpu_main.hpp"
 #include "support/params.hpp"
 #include "tandem/backend/cuda.hpp"
@@ -88,27 +89,8 @@ using tandem::CudaBackend;
 using Group = tandem::DeviceGroup<CudaBackend>;
 using Comm = tandem::DeviceComm<CudaBackend>;
 
-/// Device memory for a test (synchronous allocation: tests are not about allocation overlap).
-template <class T>
-struct Device {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit Device(std::size_t count) : n(count) { TANDEM_CUDA_CHECK(cudaMalloc(&p, (n + 16) * sizeof(T))); }
-  ~Device() { cudaFree(p); }
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-};
-
-/// A user stream, destroyed at scope end.
-struct UserStream {
-  cudaStream_t s = nullptr;
-  UserStream() { TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~UserStream() { cudaStreamDestroy(s); }
-  UserStream(const UserStream&) = delete;
-  UserStream& operator=(const UserStream&) = delete;
-  tandem::Stream stream() const { return {s}; }
-  void synchronize() const { TANDEM_CUDA_CHECK(cudaStreamSynchronize(s)); }
-};
+using test::Device;
+using test::UserStream;
 
 // ---- collectives --------------------------------------------------------------------------------------------------
 
@@ -238,6 +220,33 @@ float initial(std::size_t i, std::size_t e, int rank) {
   return 0.02f * static_cast<float>(static_cast<int>((e * 13 + i) % 101) - 50) + 0.001f * static_cast<float>(rank);
 }
 
+/// The test's tensors in device memory, parameters at their initial values for `rank`, and their TensorRefs.
+struct DeviceTensors {
+  std::vector<std::unique_ptr<Device<float>>> w, g;
+  std::vector<tandem::TensorRef> refs;
+  explicit DeviceTensors(int rank) {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      std::vector<float> init;
+      for (std::size_t e = 0; e < sizes[i]; ++e) init.push_back(initial(i, e, rank));
+      w.push_back(std::make_unique<Device<float>>(sizes[i]));
+      g.push_back(std::make_unique<Device<float>>(sizes[i]));
+      w[i]->upload(init.data(), sizes[i]);
+      refs.push_back({"t" + std::to_string(i), w[i]->p, g[i]->p, sizes[i], tandem::DType::fp32});
+    }
+  }
+  /// The parameters as `user`'s stream has them (read on it, then waited for).
+  test::Params parameters(const UserStream& user) const {
+    test::Params params(sizes.size());
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      params[i].resize(sizes[i]);
+      TANDEM_CUDA_CHECK(
+          cudaMemcpyAsync(params[i].data(), w[i]->p, sizes[i] * sizeof(float), cudaMemcpyDeviceToHost, user.s));
+    }
+    user.synchronize();
+    return params;
+  }
+};
+
 /// The step and rank whose gradients hold one NaN (every rank must skip that step).
 constexpr int nan_step = 3, steps = 6;
 
@@ -292,16 +301,10 @@ Result train_device(int world, const Run& run, const std::string& save = {}) {
   Group group(world);
   group.run([&](Comm& comm) {
     UserStream user;
-    std::vector<std::unique_ptr<Device<float>>> w, g;
-    std::vector<tandem::TensorRef> refs;
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      std::vector<float> init;
-      for (std::size_t e = 0; e < sizes[i]; ++e) init.push_back(initial(i, e, comm.rank()));
-      w.push_back(std::make_unique<Device<float>>(sizes[i]));
-      g.push_back(std::make_unique<Device<float>>(sizes[i]));
-      TANDEM_CUDA_CHECK(cudaMemcpy(w[i]->p, init.data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice));
-      refs.push_back({"t" + std::to_string(i), w[i]->p, g[i]->p, sizes[i], tandem::DType::fp32});
-    }
+    DeviceTensors t(comm.rank());
+    auto& w = t.w;
+    auto& g = t.g;
+    const auto& refs = t.refs;
     const CudaBackend launcher;
     tandem::DataParallel<P, tandem::AdamW, CudaBackend, Comm> dp(comm, refs, {.lr = 1e-2f},
                                                                  {.bucket_cap_bytes = 8192,
@@ -320,13 +323,7 @@ Result train_device(int world, const Run& run, const std::string& save = {}) {
       dp.step();
     }
     if (!save.empty()) dp.save_checkpoint(save);
-    test::Params params(sizes.size());
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      params[i].resize(sizes[i]);
-      TANDEM_CUDA_CHECK(
-          cudaMemcpyAsync(params[i].data(), w[i]->p, sizes[i] * sizeof(float), cudaMemcpyDeviceToHost, user.s));
-    }
-    user.synchronize();
+    const test::Params params = t.parameters(user);
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
       out = {params, dp.skipped_steps()};
@@ -341,25 +338,13 @@ std::vector<test::Params> load_device(int world, const std::string& path) {
   Group group(world);
   group.run([&](Comm& comm) {
     UserStream user;
-    std::vector<std::unique_ptr<Device<float>>> w, g;
-    std::vector<tandem::TensorRef> refs;
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      w.push_back(std::make_unique<Device<float>>(sizes[i]));
-      g.push_back(std::make_unique<Device<float>>(sizes[i]));
-      TANDEM_CUDA_CHECK(cudaMemset(w[i]->p, 0, sizes[i] * sizeof(float)));
-      refs.push_back({"t" + std::to_string(i), w[i]->p, g[i]->p, sizes[i], tandem::DType::fp32});
-    }
+    DeviceTensors t(comm.rank());
+    const auto& refs = t.refs;
     tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW, CudaBackend, Comm> dp(
         comm, refs, {.lr = 1e-2f}, {.bucket_cap_bytes = 4096, .first_bucket_cap_bytes = 2048, .stream = user.stream()});
     dp.load_checkpoint(path);
-    test::Params params(sizes.size());
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      params[i].resize(sizes[i]);
-      TANDEM_CUDA_CHECK(
-          cudaMemcpyAsync(params[i].data(), w[i]->p, sizes[i] * sizeof(float), cudaMemcpyDeviceToHost, user.s));
-    }
-    user.synchronize();
-    out[static_cast<std::size_t>(comm.rank())] = std::move(params);
+    const test::Params params = t.parameters(user);
+    out[static_cast<std::size_t>(comm.rank())] = params;
   });
   return out;
 }

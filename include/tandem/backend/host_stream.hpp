@@ -128,7 +128,7 @@ class HostStream {
     worker_.join();
     if (failure_ && !failure_seen_)
       std::fprintf(stderr, "tandem: a HostStream was destroyed with an error nobody read: %s\n",
-                   describe(failure_).c_str());
+                   detail::exception_message(failure_).c_str());
   }
 
   /// This stream as the last argument of an asynchronous call.
@@ -163,16 +163,6 @@ class HostStream {
  private:
   using Op = std::function<void(const std::exception_ptr&)>;
   enum class Admit { unless_failed, always };
-
-  static std::string describe(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      return x.what();
-    } catch (...) {
-      return "an exception not derived from std::exception";
-    }
-  }
 
   void rethrow_locked() {
     if (!failure_) return;

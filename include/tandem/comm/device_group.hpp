@@ -96,15 +96,7 @@ class DeviceComm {
     const char* name = detail::local_call_name(kind);
     state.check_usable(rank_, name);
     const std::uint64_t seq = seq_++;
-    detail::LocalCall& mine = state.slot(seq, rank_);
-    mine.kind = kind;
-    mine.dtype = dtype;
-    mine.op = op;
-    mine.root = root;
-    mine.count = count;
-    mine.send = send;
-    mine.recv = recv;
-    mine.rejected = detail::check_call(mine, rank_, size);
+    detail::LocalCall& mine = detail::publish_call(state, seq, rank_, kind, send, recv, count, dtype, op, root);
     const bool moves_data = kind != detail::LocalCallKind::barrier && count != 0;
     if (moves_data && mine.rejected.empty()) {
       try {

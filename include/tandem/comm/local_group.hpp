@@ -638,19 +638,25 @@ class LocalGroupState {
   std::exception_ptr first_original_;
 };
 
-TANDEM_COLD inline std::string exception_message(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "an exception not derived from std::exception";
-  }
-}
-
 }  // namespace detail
 
 namespace detail {
+
+/// Fills rank `rank`'s slot for its call number `seq` and checks the call's own arguments (its `rejected`): what a
+/// rank does before the first barrier of a collective (LocalComm, DeviceComm).
+inline LocalCall& publish_call(LocalGroupState& state, std::uint64_t seq, int rank, LocalCallKind kind,
+                               const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, int root) {
+  LocalCall& mine = state.slot(seq, rank);
+  mine.kind = kind;
+  mine.dtype = dtype;
+  mine.op = op;
+  mine.root = root;
+  mine.count = count;
+  mine.send = send;
+  mine.recv = recv;
+  mine.rejected = check_call(mine, rank, state.size());
+  return mine;
+}
 
 /// The threads of a group's run(): rank_body(state, rank) once per rank, each on its own thread, all joined. A rank
 /// whose body returns departs; one whose body throws aborts the group, so that ranks waiting in (or later entering)
@@ -758,15 +764,7 @@ class LocalComm {
     const char* name = detail::local_call_name(kind);
     state.check_usable(rank_, name);  // before touching the slot: a dead group may have readers left behind
     const std::uint64_t seq = seq_++;
-    detail::LocalCall& mine = state.slot(seq, rank_);
-    mine.kind = kind;
-    mine.dtype = dtype;
-    mine.op = op;
-    mine.root = root;
-    mine.count = count;
-    mine.send = send;
-    mine.recv = recv;
-    mine.rejected = detail::check_call(mine, rank_, size);
+    detail::publish_call(state, seq, rank_, kind, send, recv, count, dtype, op, root);
     state.wait(rank_, name, detail::LocalWait::interruptible);
 
     const detail::LocalCall* calls = state.calls(seq);

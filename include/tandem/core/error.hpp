@@ -3,6 +3,7 @@
 // Invalid input is rejected before anything is written, with a message naming the argument and the fix.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -66,6 +67,17 @@ inline std::string describe_failure(const char* library, int status, const char*
                   std::to_string(status) + " (" + name + ") at " + file + ":" + std::to_string(line);
   if (error_rank() >= 0) s += " on rank " + std::to_string(error_rank());
   return s;
+}
+
+/// The message of an exception held in an exception_ptr (what() for a std::exception).
+TANDEM_COLD inline std::string exception_message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
 }
 
 /// Throws tandem::error with `what` unless `condition` holds.
