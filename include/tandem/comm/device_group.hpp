@@ -96,7 +96,8 @@ class DeviceComm {
     const char* name = detail::local_call_name(kind);
     state.check_usable(rank_, name);
     const std::uint64_t seq = seq_++;
-    detail::LocalCall& mine = detail::publish_call(state, seq, rank_, kind, send, recv, count, dtype, op, root);
+    detail::LocalCall& mine = state.slot(seq, rank_);
+    mine = detail::make_call(kind, send, recv, count, dtype, op, root, rank_, size);
     const bool moves_data = kind != detail::LocalCallKind::barrier && count != 0;
     if (moves_data && mine.rejected.empty()) {
       try {

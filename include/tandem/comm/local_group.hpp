@@ -277,6 +277,22 @@ inline std::string check_calls(const LocalCall* calls, int size, int rank) {
   return check_cross_rank(calls, size);
 }
 
+/// A call as a rank publishes it, with its own verdict on its arguments (`rejected`): what LocalComm, DeviceComm and
+/// Mpi put before the first exchange of a collective.
+inline LocalCall make_call(LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+                           ReduceOp op, int root, int rank, int size) {
+  LocalCall c;
+  c.kind = kind;
+  c.dtype = dtype;
+  c.op = op;
+  c.root = root;
+  c.count = count;
+  c.send = send;
+  c.recv = recv;
+  c.rejected = check_call(c, rank, size);
+  return c;
+}
+
 // --- The work --------------------------------------------------------------------------------------------------------
 
 /// Elements per accumulator block: 8 KiB of fp32 (16 KiB of fp64) on the stack, well inside L1 + L2.
@@ -642,22 +658,6 @@ class LocalGroupState {
 
 namespace detail {
 
-/// Fills rank `rank`'s slot for its call number `seq` and checks the call's own arguments (its `rejected`): what a
-/// rank does before the first barrier of a collective (LocalComm, DeviceComm).
-inline LocalCall& publish_call(LocalGroupState& state, std::uint64_t seq, int rank, LocalCallKind kind,
-                               const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, int root) {
-  LocalCall& mine = state.slot(seq, rank);
-  mine.kind = kind;
-  mine.dtype = dtype;
-  mine.op = op;
-  mine.root = root;
-  mine.count = count;
-  mine.send = send;
-  mine.recv = recv;
-  mine.rejected = check_call(mine, rank, state.size());
-  return mine;
-}
-
 /// The threads of a group's run(): rank_body(state, rank) once per rank, each on its own thread, all joined. A rank
 /// whose body returns departs; one whose body throws aborts the group, so that ranks waiting in (or later entering)
 /// a rendezvous throw peer_error instead of hanging. Rethrows the first exception that was not a peer_error.
@@ -764,7 +764,7 @@ class LocalComm {
     const char* name = detail::local_call_name(kind);
     state.check_usable(rank_, name);  // before touching the slot: a dead group may have readers left behind
     const std::uint64_t seq = seq_++;
-    detail::publish_call(state, seq, rank_, kind, send, recv, count, dtype, op, root);
+    state.slot(seq, rank_) = detail::make_call(kind, send, recv, count, dtype, op, root, rank_, size);
     state.wait(rank_, name, detail::LocalWait::interruptible);
 
     const detail::LocalCall* calls = state.calls(seq);

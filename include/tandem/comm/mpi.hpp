@@ -424,15 +424,7 @@ class Mpi {
     std::string verdict;
     try {
       drain_notices(name, nullptr);
-      detail::LocalCall mine;
-      mine.kind = as_local(kind);
-      mine.dtype = dtype;
-      mine.op = op;
-      mine.root = root;
-      mine.count = count;
-      mine.send = send;
-      mine.recv = recv;
-      mine.rejected = detail::check_call(mine, rank_, size_);
+      detail::LocalCall mine = detail::make_call(as_local(kind), send, recv, count, dtype, op, root, rank_, size_);
       exchange_headers(kind, mine, name, deadline);
       if (kind != detail::MpiCallKind::hello) {
         std::vector<detail::LocalCall> calls(static_cast<std::size_t>(size_));
