@@ -233,6 +233,7 @@ struct DeviceTensors {
       w[i]->upload(init.data(), sizes[i]);
       refs.push_back({"t" + std::to_string(i), w[i]->p, g[i]->p, sizes[i], tandem::DType::fp32});
     }
+    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());  // pageable uploads may return before their copy lands
   }
   /// The parameters as `user`'s stream has them (read on it, then waited for).
   test::Params parameters(const UserStream& user) const {
@@ -412,7 +413,7 @@ TEST_CASE("CUDA launch of more items than the grid-stride cap reaches every item
   const CudaBackend backend;
   const std::size_t items = 3 * std::size_t{tandem::max_grid_blocks} + 7;
   Device<unsigned> out(items);
-  TANDEM_CUDA_CHECK(cudaMemset(out.p, 0, items * sizeof(unsigned)));
+  backend.zero(out.p, items * sizeof(unsigned), backend.stream());  // on the stream the launch runs on
   backend.launch(items, MarkBody{out.p}, backend.stream());
   std::vector<unsigned> host(items);
   backend.read(host.data(), out.p, items * sizeof(unsigned), backend.stream());
@@ -519,6 +520,7 @@ TEST_CASE("pack launches captured in a CUDA graph and replayed equal eager launc
     }
     TANDEM_CUDA_CHECK(cudaMemset(eager.p, 0, plan.total_size() * sizeof(float)));
     TANDEM_CUDA_CHECK(cudaMemset(replayed.p, 0, plan.total_size() * sizeof(float)));
+    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs and the zeroing land before either pack reads
     pack_all(eager.p, capture.stream());
     TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, capture.s));
     capture.synchronize();

@@ -210,6 +210,41 @@ TEST_CASE(
   CHECK_THROWS_AS(Group(tandem::max_group_ranks + 1), tandem::error);
 }
 
+namespace {
+
+thread_local bool fail_launch = false;  // set by a rank's body: that rank's launches throw
+
+/// StreamHostBackend whose launches throw on the ranks that ask for it.
+struct FailingBackend : tandem::StreamHostBackend {
+  template <class Body>
+  void launch(std::size_t items, const Body& body, tandem::Stream s = {}) const {
+    if (fail_launch) throw tandem::error("injected launch failure");
+    tandem::StreamHostBackend::launch(items, body, s);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("DeviceGroup: a rank that fails to issue its share makes every other rank throw peer_error") {
+  tandem::DeviceGroup<FailingBackend> group(3);
+  std::atomic<int> peers{0};
+  CHECK_THROWS_WITH_AS(group.run([&](tandem::DeviceComm<FailingBackend>& comm) {
+    tandem::HostStream stream;
+    std::vector<float> x(100, 1.0f);
+    fail_launch = comm.rank() == 1;
+    try {
+      comm.all_reduce(x.data(), x.data(), x.size(), DType::fp32, ReduceOp::sum, stream.stream());
+    } catch (const tandem::peer_error& e) {
+      CHECK(std::string(e.what()).find("rank 1 failed to issue its share") != std::string::npos);
+      ++peers;
+      throw;
+    }
+    stream.synchronize();
+  }),
+                       "injected launch failure", tandem::error);
+  CHECK(peers == 2);
+}
+
 // ---- DataParallel over DeviceGroup --------------------------------------------------------------------------------
 
 namespace {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -97,6 +98,30 @@ TEST_CASE("an event waits for the record made before the wait, not a later one")
   a.synchronize();
 }
 
+TEST_CASE("a wait is released by the record it saw, not by a later record on another stream") {
+  tandem::HostStream a, b, c;
+  const tandem::StreamHostBackend backend;
+  std::atomic<bool> release{false};
+  std::atomic<int> stage{0};
+  backend.launch(1, Task{[&release, &stage] {
+                   while (!release) std::this_thread::yield();
+                   stage = 1;
+                 }},
+                 a.stream());
+  tandem::HostEvent e;
+  backend.record(e, a.stream());  // reached once stage is 1
+  backend.wait(c.stream(), e);
+  int seen = -1;
+  backend.launch(1, Task{[&stage, &seen] { seen = stage.load(); }}, c.stream());
+  backend.record(e, b.stream());  // b is idle: this record is reached at once, but c waits for a's
+  b.synchronize();
+  std::this_thread::sleep_for(5ms);
+  release = true;
+  c.synchronize();
+  CHECK(seen == 1);
+  a.synchronize();
+}
+
 TEST_CASE("an error is sticky on its stream, passes through events, and never hangs a waiter") {
   tandem::HostStream failing, downstream;
   const tandem::StreamHostBackend backend;
@@ -127,13 +152,13 @@ TEST_CASE("a buffer is freed in stream order, poisoned when it begins and when i
     float fresh = 0.0f;
     backend.read(&fresh, buffer.data(), sizeof fresh, backend.stream());
     CHECK(std::isnan(fresh));  // uninitialised memory reads as NaN
-    backend.launch(1, Task{[p = buffer.data()] {
-                     std::this_thread::sleep_for(2ms);
-                     p[3] = 5.0f;
+    backend.launch(1, Task{[p = buffer.data()] { p[3] = 5.0f; }}, backend.stream());
+    backend.launch(1, Task{[p = buffer.data(), &seen] {  // a slow reader, still queued when the buffer goes
+                     std::this_thread::sleep_for(20ms);
+                     seen = p[3];
                    }},
                    backend.stream());
-    backend.copy(&seen, buffer.data() + 3, sizeof seen, backend.stream());
-  }  // freed after the launch and the copy, on the work stream
+  }  // freed (and poisoned) after the reader, on the work stream; an eager free would leave it NaN
   backend.synchronize(backend.stream());
   CHECK(seen == 5.0f);
 }
@@ -151,6 +176,24 @@ TEST_CASE("LocalComm enqueues its collectives on a HostStream, in call order") {
     CHECK(sum == std::vector<float>(100, 6.0f));
     for (int q = 0; q < 3; ++q) CHECK(all[static_cast<std::size_t>(q) * 100 + 7] == float(q + 1));
   });
+}
+
+TEST_CASE("a rank that throws with collectives still queued on its stream: run() rethrows, nothing dangles") {
+  std::vector<std::unique_ptr<tandem::HostStream>> streams;  // outlive run(): their queued work must not
+  for (int r = 0; r < 3; ++r) streams.push_back(std::make_unique<tandem::HostStream>());
+  std::vector<std::vector<float>> x(3, std::vector<float>(64, 1.0f));
+  tandem::LocalGroup group(3);
+  CHECK_THROWS_WITH_AS(group.run([&](tandem::LocalComm& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const tandem::StreamHostBackend backend;
+    backend.launch(1, Task{[] { std::this_thread::sleep_for(30ms); }}, streams[r]->stream());
+    comm.all_reduce(x[r].data(), x[r].data(), 64, tandem::DType::fp32, tandem::ReduceOp::sum, streams[r]->stream());
+    if (r == 1) throw std::runtime_error("rank 1 fails with its all_reduce still queued");
+    comm.all_reduce(x[r].data(), x[r].data(), 64, tandem::DType::fp32, tandem::ReduceOp::sum, streams[r]->stream());
+    streams[r]->synchronize();
+  }),
+                       "rank 1 fails with its all_reduce still queued", std::runtime_error);
+  for (auto& s : streams) CHECK_THROWS_AS(s->synchronize(), tandem::error);  // each stream's collective failed
 }
 
 // ---- DataParallel with the user's work on a stream of its own -----------------------------------------------------
@@ -249,7 +292,6 @@ test::Params train_on_user_stream(int world, int accumulation) {
     tandem::HostStream user({.max_delay = 300us, .seed = 99u + static_cast<std::uint64_t>(comm.rank())});
     const tandem::Stream user_stream = streamed ? user.stream() : tandem::Stream{};
     mlp::Mlp<float> model(dims, 42 + static_cast<std::uint64_t>(comm.rank()) * 1000);
-    const Backend backend{};
     tandem::DataParallel<Policy, tandem::AdamW, Backend> dp(comm, model.tensors(), {.lr = 3e-3f},
                                                             {.bucket_cap_bytes = 1024,
                                                              .first_bucket_cap_bytes = 512,
@@ -257,7 +299,7 @@ test::Params train_on_user_stream(int world, int accumulation) {
                                                              .max_grad_norm = 1.0f,
                                                              .non_finite = tandem::NonFinite::skip_step,
                                                              .stream = user_stream},
-                                                            backend);
+                                                            Backend{});
     dp.broadcast_parameters(world - 1);
     const int local = global_batch / world;
     const tandem::StreamHostBackend enqueue;

@@ -8,18 +8,20 @@
 //                       on it) and every later enqueue, synchronize or read on the stream throws that error.
 //   HostEvent           record(event, stream) marks the point the stream has reached; wait(stream, event) makes later
 //                       work on `stream` wait until the stream that recorded it reaches the most recent record made
-//                       before the wait (cudaEventRecord / cudaStreamWaitEvent). Waiting on an event never
-//                       recorded does nothing. An error on the recording stream passes to the waiting stream.
+//                       before the wait (cudaEventRecord / cudaStreamWaitEvent): each record is its own state, so a
+//                       later record never releases an earlier wait. Waiting on an event never recorded does
+//                       nothing. An error on the recording stream passes to the waiting stream.
 //   StreamHostBackend   HostBackend's operations (copy, zero, launch, sum_to, read) enqueued on a stream; buffers are
 //                       freed in stream order (cudaFreeAsync), poisoned with 0xFF bytes (NaN) when allocated and
 //                       again just before they are freed, so reading uninitialised or freed memory shows.
 //
 // Stream{} (a null handle) is the calling thread: work on it runs before the call returns, record on it marks
 // "now", and wait(Stream{}, event) blocks the calling thread until the event is reached (and rethrows its error).
-// That is stricter than CUDA's default stream, never looser. Copies read host memory when they run, not when they
-// are enqueued: a host source must outlive the copy (synchronize first), which CUDA's pageable copies may not need.
-// LocalComm (comm/local_group.hpp) enqueues its collectives on a HostStream it is given, as NCCL does on a CUDA
-// stream, so the whole DataParallel protocol runs on it unchanged.
+// Against non-blocking streams (the only kind tandem creates) that is stricter than CUDA's default stream, never
+// looser; unlike CUDA's legacy default stream it does not wait for other streams by itself. Copies read host memory
+// when they run, not when they are enqueued: a host source must outlive the copy (synchronize first), which CUDA's
+// pageable copies may not need. LocalComm (comm/local_group.hpp) enqueues its collectives on a HostStream it is given,
+// as NCCL does on a CUDA stream, so the whole DataParallel protocol runs on it unchanged.
 #pragma once
 
 #include <algorithm>
@@ -68,41 +70,36 @@ inline std::uint64_t next_host_stream_serial() {
   return serial.fetch_add(1, std::memory_order_relaxed);
 }
 
-/// What an event and the operations that record and wait on it share. Records are numbered (tickets) in the order
-/// they are made; `reached` is the highest ticket its stream has run.
-class HostEventState {
+/// One record of an event: reached when the recording stream runs it (with that stream's failure, if any). Waits
+/// capture the record that is current when they are made, so a later record never releases them, as with CUDA.
+class HostEventRecord {
  public:
-  /// A new record: its ticket.
-  std::uint64_t record() {
-    std::lock_guard lock(mutex_);
-    return ++recorded_;
-  }
-  /// The ticket of the most recent record (0: never recorded).
-  std::uint64_t latest() const {
-    std::lock_guard lock(mutex_);
-    return recorded_;
-  }
-  /// The recording stream reached `ticket`, failed with `failure` (null: no failure).
-  void reach(std::uint64_t ticket, std::exception_ptr failure) {
+  void reach(std::exception_ptr failure) {
     {
       std::lock_guard lock(mutex_);
-      reached_ = std::max(reached_, ticket);
-      if (failure) failure_ = std::move(failure);
+      reached_ = true;
+      failure_ = std::move(failure);
     }
     changed_.notify_all();
   }
-  /// Blocks until `ticket` is reached; returns the recording stream's failure, if any.
-  std::exception_ptr wait(std::uint64_t ticket) {
+  /// Blocks until reached; returns the recording stream's failure, if any.
+  std::exception_ptr wait() {
     std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return reached_ >= ticket; });
+    changed_.wait(lock, [&] { return reached_; });
     return failure_;
   }
 
  private:
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable changed_;
-  std::uint64_t recorded_ = 0, reached_ = 0;
+  bool reached_ = false;
   std::exception_ptr failure_;
+};
+
+/// An event: its most recent record (none before the first).
+struct HostEventState {
+  std::mutex mutex;
+  std::shared_ptr<HostEventRecord> current;
 };
 
 }  // namespace detail
@@ -260,25 +257,33 @@ class HostEvent {
 
   /// Marks the point `s` has reached (Stream{}: now).
   void record(Stream s) {
-    const std::uint64_t ticket = state_->record();
     HostStream* q = detail::host_queue(s);
-    if (q == nullptr) return state_->reach(ticket, nullptr);
-    q->enqueue_always([state = state_, ticket](const std::exception_ptr& failed) { state->reach(ticket, failed); });
+    auto record = std::make_shared<detail::HostEventRecord>();
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->current = record;
+    }
+    if (q == nullptr) return record->reach(nullptr);
+    q->enqueue_always([record](const std::exception_ptr& failed) { record->reach(failed); });
   }
 
-  /// Later work on `s` waits for the most recent record (Stream{}: the calling thread blocks, and rethrows the
-  /// recording stream's error).
+  /// Later work on `s` waits for the most recent record made before this call (Stream{}: the calling thread blocks,
+  /// and rethrows the recording stream's error).
   void wait_on(Stream s) const {
-    const std::uint64_t ticket = state_->latest();
-    if (ticket == 0) return;
+    std::shared_ptr<detail::HostEventRecord> record;
+    {
+      std::lock_guard lock(state_->mutex);
+      record = state_->current;
+    }
+    if (record == nullptr) return;  // never recorded: nothing to wait for
     HostStream* q = detail::host_queue(s);
     if (q == nullptr) {
-      if (std::exception_ptr failure = state_->wait(ticket)) std::rethrow_exception(failure);
+      if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
       return;
     }
-    q->enqueue_always([state = state_, ticket](const std::exception_ptr& failed) {
+    q->enqueue_always([record](const std::exception_ptr& failed) {
       if (failed) return;  // this stream is failed already: nothing after it runs anyway
-      if (std::exception_ptr failure = state->wait(ticket)) std::rethrow_exception(failure);
+      if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
     });
   }
 
@@ -348,9 +353,15 @@ class StreamHostBackend {
   explicit StreamHostBackend(StreamHostBackendOptions options)
       : direct_(HostBackendOptions{.threads = options.threads}),
         work_(std::make_shared<HostStream>(options.work_stream)) {}
+  /// Move-only, as CudaBackend: a copy would share the work stream, and ranks given copies of one backend would
+  /// queue their collectives on one worker, where the first blocks the others (a hang until the timeout).
+  StreamHostBackend(StreamHostBackend&&) noexcept = default;
+  StreamHostBackend& operator=(StreamHostBackend&&) noexcept = default;
+  StreamHostBackend(const StreamHostBackend&) = delete;
+  StreamHostBackend& operator=(const StreamHostBackend&) = delete;
 
   static constexpr const char* name() { return "host-stream"; }
-  /// tandem's work stream: a HostStream the backend owns (shared by copies of the backend).
+  /// tandem's work stream: a HostStream the backend owns.
   Stream stream() const { return work_->stream(); }
 
   template <class T>

@@ -16,14 +16,18 @@
 // The host returns once the work is issued, as NCCL's calls do; nothing waits for the device. The in-place forms
 // are NCCL's (recv == send for all_reduce and broadcast, recv == send + r * count for reduce_scatter,
 // send == recv + r * count for all_gather), and safe because each element is read and written by one lane of one
-// rank. barrier() is a host rendezvous only. At most max_group_ranks ranks.
+// rank. barrier() is a host rendezvous only. At most max_group_ranks ranks. A rank that fails to issue its share
+// (between the two barriers) rethrows after the second, and every other rank throws peer_error there. The rank
+// threads start on CUDA's default device: build each rank's CudaBackend for the group's device.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -79,10 +83,12 @@ class DeviceComm {
   friend class DeviceGroup<Backend>;
   using Event = typename Backend::Event;
 
-  /// What the ranks of one run share besides the rendezvous: the backend that issues the work, and the events.
+  /// What the ranks of one run share besides the rendezvous: the backend that issues the work, the events, and each
+  /// rank's mark of a collective it failed to issue (its call number + 1; 0: none).
   struct Shared {
     const Backend* backend;
     std::vector<Event> ready, done;
+    std::unique_ptr<std::atomic<std::uint64_t>[]> failed;
   };
 
   DeviceComm(detail::LocalGroupState& state, Shared& shared, int rank)
@@ -112,7 +118,9 @@ class DeviceComm {
     std::string verdict = detail::check_calls(calls, size, rank_);
     if (!verdict.empty()) throw error(std::move(verdict));
     if (!moves_data) return;
-    // Past the first barrier every rank is bound to reach the second: a failure in between is rethrown after it.
+    // Past the first barrier every rank is bound to reach the second: a failure in between is rethrown after it,
+    // and marked in `failed` (for this call's number) so that the peers, whose results miss this rank's share,
+    // throw too. No rank writes its mark for the next call before every rank has read this one (past barrier 1).
     std::exception_ptr failure;
     try {
       for (int q = 0; q < size; ++q)
@@ -121,9 +129,16 @@ class DeviceComm {
       backend.record(shared_->done[rank_index()], stream);
     } catch (...) {
       failure = std::current_exception();
+      shared_->failed[rank_index()].store(seq + 1, std::memory_order_relaxed);
     }
     state.wait(rank_, name, detail::LocalWait::uninterruptible);
     if (failure) std::rethrow_exception(failure);
+    for (int q = 0; q < size; ++q)
+      if (shared_->failed[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) == seq + 1)
+        throw peer_error(std::string("tandem: ") + name + " on rank " + std::to_string(rank_) + ": rank " +
+                         std::to_string(q) +
+                         " failed to issue its share of the collective, so this rank's result "
+                         "is incomplete");
     for (int q = 0; q < size; ++q)
       if (q != rank_) backend.wait(stream, shared_->done[static_cast<std::size_t>(q)]);
   }
@@ -207,7 +222,8 @@ class DeviceGroup {
   void run(F&& body) {
     static_assert(std::is_invocable_v<F&, DeviceComm<Backend>&>,
                   "DeviceGroup::run needs a body callable as body(DeviceComm<Backend>&)");
-    typename DeviceComm<Backend>::Shared shared{&backend_, {}, {}};
+    typename DeviceComm<Backend>::Shared shared{
+        &backend_, {}, {}, std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(size_))};
     for (int r = 0; r < size_; ++r) {
       shared.ready.push_back(backend_.make_event());
       shared.done.push_back(backend_.make_event());

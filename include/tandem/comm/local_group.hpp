@@ -757,6 +757,14 @@ class LocalComm {
   /// Waits until this rank's enqueued collectives have run; rethrows the error of the stream that ran the last one.
   void finish_pending() { previous_.wait_on(Stream{}); }
 
+  /// The same, for a rank that already failed: their own errors are not this rank's story.
+  void abandon_pending() noexcept {
+    try {
+      finish_pending();
+    } catch (...) {
+    }
+  }
+
   void collective(detail::LocalCallKind kind, const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                   int root) {
     detail::LocalGroupState& state = *state_;
@@ -809,7 +817,15 @@ class LocalGroup {
     static_assert(std::is_invocable_v<F&, LocalComm&>, "LocalGroup::run needs a body callable as body(LocalComm&)");
     detail::run_ranks(size_, options_.timeout, [&](detail::LocalGroupState& state, int rank) {
       LocalComm comm(state, rank);
-      std::invoke(body, comm);
+      try {
+        std::invoke(body, comm);
+      } catch (...) {
+        // Collectives this rank still has queued on a HostStream use `comm` and the group: abort the group so that
+        // they fail at once instead of waiting for peers, and let them finish before `comm` goes.
+        state.abort(rank, detail::exception_message(std::current_exception()));
+        comm.abandon_pending();
+        throw;
+      }
       comm.finish_pending();
     });
   }

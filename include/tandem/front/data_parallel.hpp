@@ -19,10 +19,11 @@
 // Every public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream
 // wait for an event recorded on the user's stream, and a call that ends the user's hold on its buffers (construction,
 // step, broadcast_parameters, load_checkpoint) leaves by making the user's stream wait for an event recorded on the
-// work stream, also when it throws. The destructor enters, so that the buffers, freed in order on the work stream,
-// outlive the user's work on them. All of tandem's own buffers are used only on the work stream, so its program order
-// is their reuse order. On HostBackend events are empty and calls are no-ops; StreamHostBackend runs all of it for
-// real on worker threads (backend/host_stream.hpp), which is where the suite tests this protocol.
+// work stream, also when it throws. The destructor enters and leaves, so that the buffers, freed in order on the work
+// stream, outlive the user's queued work on them, and the user's later work comes after tandem's. All of tandem's own
+// buffers are used only on the work stream, so its program order is their reuse order. On HostBackend events are empty
+// and calls are no-ops; StreamHostBackend runs all of it for real on worker threads (backend/host_stream.hpp), which is
+// where the suite tests this protocol.
 #pragma once
 
 #include <algorithm>
@@ -127,10 +128,12 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
 
   /// The buffers are freed in order on the work stream (cudaFreeAsync on CUDA), after it has waited for everything
-  /// issued so far on the user's stream, which may still read the views or the parameters tandem wrote.
+  /// issued so far on the user's stream, which may still read the views or the parameters tandem wrote; and the user's
+  /// stream waits for the work stream, so that what it does next (free or overwrite the gradients a pack still reads,
+  /// say) comes after tandem's queued work.
   ~DataParallel() {
     try {
-      const StreamScope scope(*this, Exit::stay);
+      const StreamScope scope(*this, Exit::leave);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tandem: ~DataParallel: the work stream could not wait for the user's stream: %s\n",
                    e.what());
