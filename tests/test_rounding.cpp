@@ -83,15 +83,13 @@ struct Buffer {
 
 std::string name(Dt d) { return d == Dt::fp32 ? "fp32" : d == Dt::bf16 ? "bf16" : "fp16"; }
 
-/// Whether this CPU runs the contracted build's FMA instructions (tests/CMakeLists.txt checked the build machine's).
-bool contracted_build_runs() {
+/// Fails the case unless this CPU runs the contracted build's FMA instructions. tests/CMakeLists.txt built that part
+/// only because the build machine ran them: a binary moved to a CPU without FMA must say so, not pass unchecked.
+void require_contracted_build_runs() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (__builtin_cpu_supports("fma")) return true;
-  MESSAGE("this CPU has no FMA (the build machine had): the contracted build cannot run here");
-  return false;
-#else
-  return true;  // aarch64: FMA is part of the base architecture
-#endif
+  REQUIRE_MESSAGE(__builtin_cpu_supports("fma"),
+                  "this CPU has no FMA but the build machine had: reconfigure here (the contracted build is left out)");
+#endif  // aarch64: FMA is part of the base architecture
 }
 #endif
 
@@ -102,7 +100,7 @@ TEST_CASE("tandem's own build rounds every product on its own, and the contracte
   CHECK(plain.rounded_fma(tie, tie, -tie_square) == 0.0f);
   CHECK(plain.raw_fma(tie, tie, -tie_square) == 0.0f);  // -ffp-contract=off (cmake/TandemTargetDefaults.cmake)
 #if TANDEM_ROUNDING_CONTRACTED
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const rounding::Bodies& contracted = rounding::contracted_bodies();
   CHECK(contracted.rounded_fma(tie, tie, -tie_square) == 0.0f);  // the opaque product: as __fmul_rn on the device
   CHECK(contracted.raw_fma(tie, tie, -tie_square) == 0x1p-24f);  // the raw one is fused: the build emulates nvcc
@@ -112,7 +110,7 @@ TEST_CASE("tandem's own build rounds every product on its own, and the contracte
 #if TANDEM_ROUNDING_CONTRACTED
 
 TEST_CASE("cast bodies give the same bits with FMA contraction (accumulate with scale 0.75, casts, misaligned)") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
@@ -164,7 +162,7 @@ TEST_CASE("cast bodies give the same bits with FMA contraction (accumulate with 
 }
 
 TEST_CASE("the test can fail: a raw accumulate, d + scale times s, differs under contraction in many elements") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
@@ -183,7 +181,7 @@ TEST_CASE("the test can fail: a raw accumulate, d + scale times s, differs under
 }
 
 TEST_CASE("pack bodies give the same bits with FMA contraction (many tensors, misaligned, accumulate and cast)") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
@@ -284,7 +282,7 @@ void check_update(Dt param_dtype, const Options& options, Step step) {
 }  // namespace
 
 TEST_CASE("AdamW gives the same bits with FMA contraction (fp32, bf16 and fp16 parameters)") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const rounding::AdamWOptions o{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
   for (Dt p : {Dt::fp32, Dt::bf16, Dt::fp16})
     check_update(p, o,
@@ -293,7 +291,7 @@ TEST_CASE("AdamW gives the same bits with FMA contraction (fp32, bf16 and fp16 p
 }
 
 TEST_CASE("SGD with momentum gives the same bits with FMA contraction (dampening, weight decay, Nesterov)") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   auto step = [](const rounding::Bodies& b, const rounding::Update& u, const rounding::SGDOptions& o, unsigned lanes) {
     b.sgd(u, o, lanes);
   };
@@ -305,7 +303,7 @@ TEST_CASE("SGD with momentum gives the same bits with FMA contraction (dampening
 }
 
 TEST_CASE("sum of squares and the ordered sum give the same bits with FMA contraction") {
-  if (!contracted_build_runs()) return;
+  require_contracted_build_runs();
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
   std::mt19937_64 rng(seed);
