@@ -82,7 +82,7 @@ std::vector<std::vector<unsigned char>> collect(GroupT& group, Kind kind, Place 
         break;
       case Kind::all_gather:
         if (place == Place::in_place) {
-          std::memcpy(recv.data() + at, send.data(), count * sizeof(T));
+          if (count != 0) std::memcpy(recv.data() + at, send.data(), count * sizeof(T));
           comm.all_gather(recv.data() + at, recv.data(), count, dt, stream->stream());
         } else {
           comm.all_gather(send.data(), recv.data(), count, dt, stream->stream());

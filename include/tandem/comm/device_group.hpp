@@ -17,8 +17,9 @@
 // are NCCL's (recv == send for all_reduce and broadcast, recv == send + r * count for reduce_scatter,
 // send == recv + r * count for all_gather), and safe because each element is read and written by one lane of one
 // rank. barrier() is a host rendezvous only. At most max_group_ranks ranks. A rank that fails to issue its share
-// (between the two barriers) rethrows after the second, and every other rank throws peer_error there. The rank
-// threads start on CUDA's default device: build each rank's CudaBackend for the group's device.
+// (between the two barriers) marks it; then every rank waits for its own stream's work and meets the others once
+// more, and the failing rank rethrows while every other rank throws peer_error. The rank threads start on CUDA's
+// default device: build each rank's CudaBackend for the group's device.
 #pragma once
 
 #include <atomic>
@@ -132,13 +133,23 @@ class DeviceComm {
       shared_->failed[rank_index()].store(seq + 1, std::memory_order_relaxed);
     }
     state.wait(rank_, name, detail::LocalWait::uninterruptible);
-    if (failure) std::rethrow_exception(failure);
-    for (int q = 0; q < size; ++q)
-      if (shared_->failed[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) == seq + 1)
-        throw peer_error(std::string("tandem: ") + name + " on rank " + std::to_string(rank_) + ": rank " +
-                         std::to_string(q) +
-                         " failed to issue its share of the collective, so this rank's result "
-                         "is incomplete");
+    int failed_rank = -1;
+    for (int q = 0; q < size && failed_rank < 0; ++q)
+      if (shared_->failed[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) == seq + 1) failed_rank = q;
+    if (failed_rank >= 0) {
+      // Every rank sees the same marks. Each waits until its own stream has run what it issued (which reads the
+      // other ranks' buffers), then all meet once more, so that no rank unwinds and frees its buffers while another
+      // rank's share still reads them.
+      try {
+        backend.synchronize(stream);
+      } catch (...) {
+      }
+      state.wait(rank_, name, detail::LocalWait::uninterruptible);
+      if (failure) std::rethrow_exception(failure);
+      throw peer_error(std::string("tandem: ") + name + " on rank " + std::to_string(rank_) + ": rank " +
+                       std::to_string(failed_rank) +
+                       " failed to issue its share of the collective, so this rank's result is incomplete");
+    }
     for (int q = 0; q < size; ++q)
       if (q != rank_) backend.wait(stream, shared_->done[static_cast<std::size_t>(q)]);
   }
