@@ -87,8 +87,8 @@ inline void require_gpus(int n) {
   const int have = tandem::visible_cuda_devices();
   if (have >= n) return;
   detail::GpuCaseResults& r = detail::gpu_case_results();
-  std::string reason = "needs " + std::to_string(n) + " GPU" + (n == 1 ? "" : "s") + ", " + std::to_string(have) +
-                       " visible";
+  std::string reason =
+      "needs " + std::to_string(n) + " GPU" + (n == 1 ? "" : "s") + ", " + std::to_string(have) + " visible";
   {
     std::lock_guard lock(r.mutex);
     r.skip_reason = reason;
@@ -126,9 +126,10 @@ int main(int argc, char** argv) {
   test::detail::GpuCaseResults& r = test::detail::gpu_case_results();
   std::lock_guard lock(r.mutex);
   for (const std::string& name : r.unchecked)
-    std::printf("FAILED: gpu case '%s' made no check; a case that cannot run here must call test::require_gpus(n) "
-                "(reported as skipped), never return early (reported as passed)\n",
-                name.c_str());
+    std::printf(
+        "FAILED: gpu case '%s' made no check; a case that cannot run here must call test::require_gpus(n) "
+        "(reported as skipped), never return early (reported as passed)\n",
+        name.c_str());
   if (!r.failed.empty() || !r.unchecked.empty()) return rc != 0 ? rc : 1;
   if (!r.skipped.empty()) {
     for (const std::string& s : r.skipped) std::printf("SKIPPED: %s\n", s.c_str());

@@ -15,7 +15,7 @@ enum class StreamKind : unsigned char {
 };
 
 struct Stream {
-  void* handle = nullptr;              ///< cudaStream_t, or HostStream* when kind is host_queue
+  void* handle = nullptr;  ///< cudaStream_t, or HostStream* when kind is host_queue
   StreamKind kind = StreamKind::native;
 };
 
