@@ -37,10 +37,8 @@ struct DelayedStreamBackend : tandem::StreamHostBackend {
 
 #if defined(TANDEM_TEST_STREAMS)
 using Backend = DelayedStreamBackend;
-inline constexpr bool streams_build = true;
 #else
 using Backend = tandem::HostBackend;
-inline constexpr bool streams_build = false;
 #endif
 
 /// tandem::DataParallel on the suite's backend.

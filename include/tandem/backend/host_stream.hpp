@@ -151,12 +151,6 @@ class HostStream {
     rethrow_locked();
   }
 
-  /// The stream's error (null: none so far). Does not wait.
-  std::exception_ptr failure() const {
-    std::lock_guard lock(mutex_);
-    return failure_;
-  }
-
  private:
   using Op = std::function<void(const std::exception_ptr&)>;
   enum class Admit { unless_failed, always };
@@ -217,7 +211,7 @@ class HostStream {
   HostStreamOptions options_;
   std::uint64_t random_;  // the worker's alone
   int rank_;
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable queued_, drained_;
   std::deque<Op> queue_;
   std::uint64_t enqueued_ = 0, done_ = 0;

@@ -752,10 +752,13 @@ class LocalComm {
       collective(kind, send, recv, count, dtype, op, root);
     });
     previous_.record(stream);
+    queued_ = true;
   }
 
   /// Waits until this rank's enqueued collectives have run; rethrows the error of the stream that ran the last one.
-  void finish_pending() { previous_.wait_on(Stream{}); }
+  void finish_pending() {
+    if (queued_) previous_.wait_on(Stream{});  // the host path (nothing ever queued) skips the event's lock
+  }
 
   /// The same, for a rank that already failed: their own errors are not this rank's story.
   void abandon_pending() noexcept {
@@ -787,6 +790,7 @@ class LocalComm {
   int rank_;
   std::uint64_t seq_ = 0;  // number of collectives this rank ran: picks the slot parity
   HostEvent previous_;     // recorded after each collective enqueued on a HostStream
+  bool queued_ = false;    // whether any collective was enqueued on a HostStream
 };
 
 static_assert(Communicator<LocalComm>, "LocalComm must satisfy tandem::Communicator");
