@@ -230,16 +230,19 @@ std::vector<std::vector<float>> train_cuda(tandem::Nccl& comm, const Run& run) {
   auto loop = [&](DP& dp) {
     std::vector<float> gf;
     for (int s = 0; s < steps * run.accumulation; ++s) {
-      for (std::size_t i = sizes.size(); i-- > 0;) {  // backward: last tensor first
-        if (run.owned) {
+      for (std::size_t b = 0; run.owned && b < dp.num_buckets(); ++b) {  // backward: bucket by bucket
+        auto bucket = dp.gradients(b);
+        for (std::size_t i : bucket.tensors()) {
           gf.resize(sizes[i]);
           for (std::size_t e = 0; e < sizes[i]; ++e) gf[e] = gradient(w[i], i, e, s, comm.rank());
           TANDEM_CUDA_CHECK(
-              cudaMemcpyAsync(dp.grad_view(i), gf.data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice, user));
-        } else {
-          for (std::size_t e = 0; e < sizes[i]; ++e) g[i][e] = T(gradient(w[i], i, e, s, comm.rank()));
-          TANDEM_CUDA_CHECK(cudaMemcpyAsync(dg[i]->p, g[i].data(), sizes[i] * sizeof(T), cudaMemcpyHostToDevice, user));
+              cudaMemcpyAsync(bucket.grad(i), gf.data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice, user));
+          TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));  // gf is reused for the next tensor
         }
+      }
+      for (std::size_t i = sizes.size(); !run.owned && i-- > 0;) {  // backward: last tensor first
+        for (std::size_t e = 0; e < sizes[i]; ++e) g[i][e] = T(gradient(w[i], i, e, s, comm.rank()));
+        TANDEM_CUDA_CHECK(cudaMemcpyAsync(dg[i]->p, g[i].data(), sizes[i] * sizeof(T), cudaMemcpyHostToDevice, user));
         TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));  // the host buffers are reused for the next tensor
         if (run.announce) dp.grad_ready(i);
       }

@@ -454,11 +454,14 @@ TEST_CASE("a DataParallel step of the whole GPT-2-124M layout on one GPU equals 
     }
     dp.broadcast_parameters();
     for (int s = 0; s < 2; ++s) {
-      for (std::size_t i = specs.size(); i-- > 0;)
-        launcher.launch(1,
-                        SlowGradBody{dp.grad_view(i), dp.template param_view<float>(i), specs[i].numel, i, s,
-                                     comm.rank(), 0, false},
-                        {});
+      for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+        auto bucket = dp.gradients(b);
+        for (std::size_t i : bucket.tensors())
+          launcher.launch(1,
+                          SlowGradBody{bucket.grad(i), dp.template param_view<float>(i), specs[i].numel, i, s,
+                                       comm.rank(), 0, false},
+                          {});
+      }
       dp.step();
     }
     launcher.synchronize({});

@@ -4,6 +4,7 @@
 // batch with plain-loop optimizers written here from the formulas. One generic testbed, typed over policies.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -82,11 +83,9 @@ Params train_reference(const Config& c, int pieces = 1) {
       for (auto& t : g)
         for (float e : t) sq += double{e} * e;
       const double norm = std::sqrt(sq);
-      if (norm > c.max_grad_norm) {
-        const float coef = static_cast<float>(c.max_grad_norm / (norm + 1e-6));
-        for (auto& t : g)
-          for (float& e : t) e *= coef;
-      }
+      const float coef = static_cast<float>(std::min(1.0, c.max_grad_norm / (norm + 1e-6)));  // torch's rule
+      for (auto& t : g)
+        for (float& e : t) e *= coef;
     }
     for (std::size_t i = 0; i < nt; ++i)
       for (std::size_t e = 0; e < master[i].size(); ++e) {
@@ -157,10 +156,13 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
         for (std::size_t i = 0; i < refs.size(); ++i)
           std::memcpy(dp.template param_view<T>(i), model.params()[i].data(), refs[i].numel * sizeof(T));
       };
-      auto grads_to_views = [&] {
-        for (std::size_t i = 0; i < refs.size(); ++i) {
-          float* g = dp.grad_view(i);
-          for (std::size_t e = 0; e < refs[i].numel; ++e) g[e] += static_cast<float>(model.grads()[i][e]);
+      auto grads_to_views = [&] {  // bucket by bucket, as backward produces them: every policy's way
+        for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+          auto bucket = dp.gradients(b);
+          for (std::size_t i : bucket.tensors()) {
+            float* g = bucket.grad(i);
+            for (std::size_t e = 0; e < refs[i].numel; ++e) g[e] += static_cast<float>(model.grads()[i][e]);
+          }
         }
       };
       auto views_to_params = [&] {
@@ -275,4 +277,23 @@ TEST_CASE("fp16 parameters with fp32 master weights, accumulation and clipping")
 TEST_CASE("zero-copy (owned storage)") {
   check_equivalence<float>(Config{.owned_storage = true}, 1e-5, Bitwise::all_policies);
   check_equivalence<tandem::BFloat16>(Config{.accumulation = 4, .owned_storage = true}, 1e-5, Bitwise::all_but_zero2);
+}
+
+TEST_CASE("clipping follows torch's clip_grad_norm_: min(1, max / (norm + 1e-6)), also just below the maximum") {
+  // 16 gradients of 0.25: the global norm is exactly 1. torch scales by 1 / (1 + 1e-6) when max_grad_norm is 1 (a
+  // rule that scales only when norm > max would not), and by exactly 1 when the maximum is well above the norm.
+  for (const float max_norm : {1.0f, 4.0f}) {
+    CAPTURE(max_norm);
+    tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+      std::vector<float> w(16, 1.0f), g(16, 0.25f);
+      test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, {{"w", w.data(), g.data(), 16, tandem::DType::fp32}},
+                                                             {.lr = 1.0f}, {.max_grad_norm = max_norm});
+      const tandem::StepResult r = dp.step();
+      CHECK(r.grad_norm == 1.0);
+      const float expected = static_cast<float>(std::min(1.0, max_norm / (1.0 + 1e-6)));
+      CHECK(r.clip_coefficient == expected);
+      CHECK((max_norm == 1.0f) == (r.clip_coefficient < 1.0f));
+      for (float x : w) CHECK(x == 1.0f - 0.25f * expected);
+    });
+  }
 }

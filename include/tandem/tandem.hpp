@@ -18,6 +18,8 @@
 #include "tandem/core/stream.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/data_parallel.hpp"
+#include "tandem/front/estimate.hpp"
+#include "tandem/front/options.hpp"
 #include "tandem/kernels/adamw.hpp"
 #include "tandem/kernels/optimizer.hpp"
 #include "tandem/kernels/pack.hpp"

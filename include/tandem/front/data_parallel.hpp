@@ -9,11 +9,15 @@
 //                                    gather fills the rest, unpack copies it to the user's buffers
 //   master      O  fp32              16-bit parameters only; for fp32 the owned part of param_flat is it
 //   state[k]    O  fp32              the optimizer's per-element state
-//   grad_flat   F  fp32              GradientReduction::at_boundary, or owned storage (the user's grads)
+//   grad_flat   F  fp32              GradientReduction::at_boundary: gradients accumulated across micro-steps
 //   staging     M  fp32              GradientReduction::every_micro_step with the user's storage
+//   grad_slots  K×M fp32             GradientReduction::every_micro_step with owned storage: K reused bucket buffers
 //   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator
-// With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat
-// and grad_flat, and pack/unpack disappear.
+// Which of them exist and how large is the policy's buffer rule (P::buffers); this file allocates what it says.
+// With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat and
+// grad_flat or a gradient slot, and pack/unpack disappear. A bucket's gradients are written through a GradientBucket
+// (gradients(b)): under GradientSharded it holds one of the K slots from when it is opened until the bucket has been
+// reduce-scattered into grad_shard; the slot is then zeroed and handed to the next bucket.
 //
 // Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream.
 // Every public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream
@@ -32,8 +36,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,6 +50,7 @@
 #include "tandem/core/error.hpp"
 #include "tandem/core/plan.hpp"
 #include "tandem/core/tensor.hpp"
+#include "tandem/front/options.hpp"
 #include "tandem/kernels/optimizer.hpp"
 #include "tandem/kernels/pack.hpp"
 #include "tandem/kernels/sum_squares.hpp"
@@ -51,23 +58,6 @@
 #include "tandem/policy/policy.hpp"
 
 namespace tandem {
-
-/// What step() does when the reduced gradients hold a NaN or an infinity (detected on every rank alike, from
-/// the global sum of squares).
-enum class NonFinite {
-  ignore,      ///< no check: the update proceeds (and the parameters become non-finite)
-  skip_step,   ///< discard this step's gradients, leave parameters and optimizer state as they were, count it
-  throw_error  ///< throw tandem::error on every rank
-};
-
-struct DataParallelOptions {
-  std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
-  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
-  int accumulation_steps = 1;                                 ///< micro-steps per optimizer step
-  float max_grad_norm = 0.0f;                ///< > 0: scale gradients so that their global L2 norm is at most this
-  NonFinite non_finite = NonFinite::ignore;  ///< checking costs one pass over the owned gradients
-  Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
-};
 
 /// Whether this rank has another micro-batch to train on, for DataParallel::all_ranks_have_batch.
 enum class Batch {
@@ -85,23 +75,15 @@ struct StepResult {
   float clip_coefficient = 1.0f;                                ///< the factor the gradients were scaled by
 };
 
-/// Bytes per rank held for training, by category (see docs/design.md for each policy's formula).
-struct MemoryReport {
-  std::size_t params = 0;           ///< parameter storage (the user's buffers, or tandem's with owned storage)
-  std::size_t grads = 0;            ///< gradient storage written by backward (likewise)
-  std::size_t master_weights = 0;   ///< fp32 master copies of 16-bit parameters
-  std::size_t optimizer_state = 0;  ///< optimizer moments
-  std::size_t buckets = 0;          ///< tandem's flat communication buffers and accumulators
-  std::size_t total() const { return params + grads + master_weights + optimizer_state + buckets; }
-  friend bool operator==(const MemoryReport&, const MemoryReport&) = default;
-};
-
 class LocalComm;  // <tandem/comm/local_group.hpp>: include it to use the default communicator (the umbrella does)
 
 template <Policy P, Optimizer Opt, class Backend = HostBackend, Communicator Comm = LocalComm>
 class DataParallel {
   static_assert(P::state == StateSharding::replicated || Opt::elementwise,
                 "sharded policies need an optimizer whose state is elementwise, so that it can be split by shard");
+  static_assert(coherent_policy<P>,
+                "a policy that reduce-scatters every micro-step keeps only its shard of the reduced gradients, so it "
+                "must shard the optimizer state too (StateSharding::sharded)");
 
  public:
   using OptimizerOptions = typename Opt::Options;
@@ -175,15 +157,14 @@ class DataParallel {
                    layout_.describe(i) + "); call it once per tensor between two step() calls");
     ready_[i] = 1;
     ++bucket_ready_[plan_.placement(i).bucket];
-    if (!next_bucket_complete()) return;
-    StreamScope scope(*this, Exit::stay);  // the gradients written so far on the user's stream; the rest of backward
-    issue_ready_buckets(scope, false);     // must not wait for tandem, so the user's stream does not wait here
+    issue_completed_buckets();
   }
 
   /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
   /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
   StepResult step() {
     check_stepping("step()");
+    check_no_open_bucket("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
@@ -208,8 +189,7 @@ class DataParallel {
         detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
                      std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::skip_step) {
-        if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
-          backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
+        clear_owned_gradients();
         micro_ = 0;
         ++skipped_;
         result.skipped = true;
@@ -217,8 +197,8 @@ class DataParallel {
         scope.leave();
         return result;
       }
-      if (options_.max_grad_norm > 0.0f && result.grad_norm > options_.max_grad_norm)
-        result.clip_coefficient = static_cast<float>(options_.max_grad_norm / (result.grad_norm + 1e-6));
+      if (options_.max_grad_norm > 0.0f && std::isfinite(result.grad_norm))  // torch's clip_grad_norm_ rule
+        result.clip_coefficient = static_cast<float>(std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6)));
     }
     ++step_;
     const auto scalars = Opt::scalars(optimizer_, step_);
@@ -227,8 +207,7 @@ class DataParallel {
       P::gather_parameters(comm_, view(b, nullptr));
       if (storage_ == Storage::user) unpack_params(scope, b);
     }
-    if (storage_ == Storage::owned && P::reduction == GradientReduction::at_boundary)
-      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
+    clear_owned_gradients();
     micro_ = 0;
     result.updated = true;
     result.step = step_;
@@ -316,6 +295,7 @@ class DataParallel {
   /// and verifies the file before anything is changed; if any rank fails, every rank throws and nothing changed.
   /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
   TANDEM_COLD void load_checkpoint(const std::string& path) {
+    check_no_open_bucket("load_checkpoint");
     std::string problem;
     CheckpointData c;
     try {
@@ -344,7 +324,7 @@ class DataParallel {
                       work_stream());
     }
     step_ = c.step;
-    micro_ = 0;
+    reset_window();
     synced_ = true;
     if (storage_ == Storage::user)
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(scope, b);
@@ -352,16 +332,23 @@ class DataParallel {
     scope.leave();
   }
 
-  /// Bytes this rank holds for training, by category, counted from the actual allocations.
+  /// Bytes this rank holds for training, by category (see MemoryReport), counted from the actual allocations.
+  /// estimate_memory (front/estimate.hpp) gives the same figures without constructing anything.
   TANDEM_COLD MemoryReport memory_report() const {
     MemoryReport r;
     const std::size_t user_bytes = layout_.total_numel() * psize_;
-    r.params = storage_ == Storage::user ? user_bytes : param_flat_.bytes();
-    r.grads = storage_ == Storage::user ? user_bytes : grad_flat_.bytes();
     r.master_weights = master_.bytes();
     r.optimizer_state = state_[0].bytes() + state_[1].bytes();
-    r.buckets = staging_.bytes() + grad_shard_.bytes();
-    if (storage_ == Storage::user) r.buckets += param_flat_.bytes() + grad_flat_.bytes();
+    const std::size_t transient = staging_.bytes() + grad_slots_.bytes();
+    if (storage_ == Storage::user) {
+      r.params = user_bytes;
+      r.grads = user_bytes;
+      r.buckets = param_flat_.bytes() + grad_flat_.bytes() + grad_shard_.bytes() + transient;
+    } else {
+      r.params = param_flat_.bytes();
+      r.grads = grad_flat_.bytes() + grad_shard_.bytes();
+      r.buckets = transient;
+    }
     return r;
   }
 
@@ -376,11 +363,51 @@ class DataParallel {
     return reinterpret_cast<T*>(param_flat_.data()) + flat_index(i);
   }
 
-  /// Owned storage only: tensor i's gradients, an fp32 view into tandem's gradient buckets (fp32 whatever
-  /// the parameter dtype). Backward adds into it; tandem zeroes it once the gradients are consumed.
+  /// Owned storage only, under a policy that keeps full gradients (Replicated, OptimizerSharded): tensor i's
+  /// gradients, an fp32 view into tandem's gradient buckets (fp32 whatever the parameter dtype), valid for the
+  /// DataParallel's life. Backward adds into it; tandem zeroes it once the gradients are consumed. Under every
+  /// policy, gradients(b) gives the same views bucket by bucket.
   float* grad_view(std::size_t i) const {
     check_view(i, "grad_view");
+    if (grad_flat_.data() == nullptr)
+      detail::fail(std::string("tandem: grad_view(") + std::to_string(i) + "): " + P::name +
+                   " keeps no full-size gradients; open tensor " + std::to_string(i) + "'s bucket (" +
+                   std::to_string(plan_.placement(i).bucket) +
+                   ") with gradients(b) and write through its grad(i) while it is open");
     return grad_flat_.data() + flat_index(i);
+  }
+
+  class GradientBucket;
+
+  /// Owned storage: opens bucket b's gradients for this micro-step's backward. The returned handle's grad(i) are the
+  /// fp32 gradient views of the bucket's tensors (zero at the first micro-step of a window; backward adds into
+  /// them); they are valid until the handle is released. Releasing it (its destructor, or release()) announces
+  /// every tensor of the bucket as grad_ready, so its reduction can start while backward goes on. Under
+  /// GradientSharded the views point into one of DataParallelOptions::gradient_buffers reused bucket buffers: the
+  /// user's stream first waits until tandem has finished with that buffer's previous bucket, and opening more
+  /// buckets than there are buffers (counting released buckets not yet reduced, which go out in bucket order) throws.
+  /// Buckets never opened in a micro-step contribute zero gradients.
+  [[nodiscard]] GradientBucket gradients(std::size_t b) {
+    check_stepping("gradients(b)");
+    if (storage_ != Storage::owned)
+      detail::fail(
+          "tandem: gradients(b) is for owned storage (DataParallel built from TensorSpecs); with your own "
+          "buffers, backward writes them and grad_ready(i) announces them");
+    if (b >= plan_.num_buckets())
+      detail::fail("tandem: gradients(" + std::to_string(b) + "): bucket out of range; the plan has " +
+                   std::to_string(plan_.num_buckets()) + " buckets");
+    if (bucket_open_[b])
+      detail::fail("tandem: gradients(" + std::to_string(b) + "): the bucket is already open in this micro-step");
+    if (b < next_bucket_ || bucket_ready_[b] == plan_.bucket(b).tensors.size())
+      detail::fail("tandem: gradients(" + std::to_string(b) +
+                   "): the bucket's gradients are already complete in this micro-step (released, or every tensor "
+                   "announced by grad_ready); open each bucket at most once per micro-step");
+    if (grad_flat_.data() == nullptr) {
+      const std::size_t slot = acquire_slot(b);
+      backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
+    }
+    bucket_open_[b] = 1;
+    return GradientBucket(*this, b);
   }
 
   const Plan& plan() const { return plan_; }
@@ -391,13 +418,70 @@ class DataParallel {
   /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step).
   std::uint64_t skipped_steps() const { return skipped_; }
   int micro_step() const { return micro_; }
+  /// The number of buckets, for gradients(b); plan().bucket(b).tensors lists bucket b's tensors.
+  std::size_t num_buckets() const { return plan_.num_buckets(); }
+
+  /// Bucket b's gradient views for one micro-step's backward, from gradients(b). Move-only. Releasing it (release(),
+  /// or its destructor) announces the bucket's tensors as grad_ready; the views are then no longer the user's to
+  /// write. Destroyed by an exception, it announces nothing, and the DataParallel refuses to go on with the
+  /// micro-step (its gradients are incomplete) until load_checkpoint.
+  class GradientBucket {
+   public:
+    GradientBucket(GradientBucket&& o) noexcept
+        : dp_(std::exchange(o.dp_, nullptr)), bucket_(o.bucket_), exceptions_(o.exceptions_) {}
+    GradientBucket& operator=(GradientBucket&&) = delete;
+    ~GradientBucket() {
+      if (dp_ == nullptr) return;
+      if (std::uncaught_exceptions() > exceptions_) {
+        dp_->abandon_bucket(bucket_);
+        return;
+      }
+      try {
+        release();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem: releasing bucket %zu's gradients failed: %s\n", bucket_, e.what());
+      }
+    }
+
+    std::size_t bucket() const { return bucket_; }
+    /// Layout indices of the bucket's tensors (reverse layout order).
+    const std::vector<std::size_t>& tensors() const { return dp().plan_.bucket(bucket_).tensors; }
+
+    /// Tensor i's fp32 gradients (i is a layout index of a tensor in this bucket).
+    float* grad(std::size_t i) const {
+      const DataParallel& d = dp();
+      if (i >= d.layout_.size() || d.plan_.placement(i).bucket != bucket_)
+        detail::fail("tandem: GradientBucket::grad(" + std::to_string(i) + "): " +
+                     (i < d.layout_.size()
+                          ? d.layout_.describe(i) + " is in bucket " + std::to_string(d.plan_.placement(i).bucket)
+                          : std::string("the index is out of range")) +
+                     ", not in this handle's bucket " + std::to_string(bucket_));
+      return d.bucket_grads(bucket_) + d.plan_.placement(i).offset;
+    }
+
+    /// Announces the bucket's tensors as grad_ready now (throws what issuing its reduction throws).
+    void release() {
+      DataParallel& d = dp();
+      dp_ = nullptr;
+      d.release_bucket(bucket_);
+    }
+
+   private:
+    friend class DataParallel;
+    GradientBucket(DataParallel& dp, std::size_t b) : dp_(&dp), bucket_(b), exceptions_(std::uncaught_exceptions()) {}
+    DataParallel& dp() const {
+      if (dp_ == nullptr) detail::fail("tandem: GradientBucket used after release() (or after being moved from)");
+      return *dp_;
+    }
+    DataParallel* dp_;
+    std::size_t bucket_;
+    int exceptions_;
+  };
   /// The optimizer's options; change them between steps (a learning-rate schedule, say).
   OptimizerOptions& optimizer_options() { return optimizer_; }
   const DataParallelOptions& options() const { return options_; }
 
  private:
-  enum class Storage { user, owned };
-
   // ---- streams and buckets in flight ----------------------------------------------------------------------
 
   /// tandem's work stream (the backend's).
@@ -446,6 +530,9 @@ class DataParallel {
   };
 
   void check_stepping(const char* what) const {
+    if (!broken_.empty())
+      detail::fail(std::string("tandem: ") + what + ": " + broken_ +
+                   "; load_checkpoint starts a clean window (or construct DataParallel again)");
     Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
     if (Opt::state_count(optimizer_) > state_count_)
       detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
@@ -457,6 +544,97 @@ class DataParallel {
                    "parameters through the views and call broadcast_parameters() first");
   }
 
+  void check_no_open_bucket(const char* what) const {
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b)
+      if (bucket_open_[b])
+        detail::fail(std::string("tandem: ") + what + " while bucket " + std::to_string(b) +
+                     "'s GradientBucket is still open; release it (let it go out of scope) first");
+  }
+
+  /// Issues the buckets that grad_ready or a released GradientBucket has completed, if the next one in bucket order is.
+  void issue_completed_buckets() {
+    if (!next_bucket_complete()) return;
+    StreamScope scope(*this, Exit::stay);  // the gradients written so far on the user's stream; the rest of backward
+    issue_ready_buckets(scope, false);     // must not wait for tandem, so the user's stream does not wait here
+  }
+
+  /// GradientBucket::release: every tensor of bucket b not yet announced is grad_ready.
+  void release_bucket(std::size_t b) {
+    bucket_open_[b] = 0;
+    for (std::size_t i : plan_.bucket(b).tensors)
+      if (!ready_[i]) {
+        ready_[i] = 1;
+        ++bucket_ready_[b];
+      }
+    issue_completed_buckets();
+  }
+
+  /// A GradientBucket destroyed by an exception: its gradients may be half written, so this micro-step cannot end
+  /// correctly. Nothing is issued; later calls say why they cannot go on until load_checkpoint resets the window.
+  void abandon_bucket(std::size_t b) noexcept {
+    bucket_open_[b] = 0;
+    broken_ = "bucket " + std::to_string(b) +
+              "'s GradientBucket was destroyed by an exception during backward, so this micro-step's gradients are "
+              "incomplete";
+  }
+
+  /// Owned storage keeps the gradients backward adds into: zero them once consumed (slots are zeroed as they are
+  /// freed).
+  void clear_owned_gradients() {
+    if (storage_ == Storage::owned && grad_flat_.data() != nullptr)
+      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
+  }
+
+  /// Starts a clean accumulation window (load_checkpoint): no micro-step taken, no bucket announced, open or holding a
+  /// gradient slot, and every gradient buffer zero.
+  void reset_window() {
+    micro_ = 0;
+    std::fill(ready_.begin(), ready_.end(), 0);
+    std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+    next_bucket_ = 0;
+    std::fill(slot_bucket_.begin(), slot_bucket_.end(), no_index);
+    std::fill(bucket_slot_.begin(), bucket_slot_.end(), no_index);
+    broken_.clear();
+    clear_owned_gradients();
+    if (grad_slots_.data() != nullptr) backend_.zero(grad_slots_.data(), grad_slots_.bytes(), work_stream());
+    for (std::size_t k = 0; k < slot_events_.size(); ++k) backend_.record(slot_events_[k], work_stream());
+  }
+
+  /// Bucket b's gradients in this micro-step: its part of grad_flat, or the slot it holds.
+  float* bucket_grads(std::size_t b) const {
+    if (grad_flat_.data() != nullptr) return grad_flat_.data() + plan_.bucket(b).offset;
+    return grad_slots_.data() + bucket_slot_[b] * slot_size_;
+  }
+
+  /// Gives bucket b a free gradient slot (which is zero: every slot is zeroed after its bucket is reduced). One slot
+  /// is always kept for the next bucket to be reduced, so that the buckets can always be reduced in order: opening a
+  /// later bucket may not take the last one while the next bucket has none.
+  std::size_t acquire_slot(std::size_t b) {
+    const auto free = static_cast<std::size_t>(std::count(slot_bucket_.begin(), slot_bucket_.end(), no_index));
+    if (b != next_bucket_ && bucket_slot_[next_bucket_] == no_index && free == 1)
+      detail::fail("tandem: gradients(" + std::to_string(b) + "): bucket " + std::to_string(b) +
+                   " would take the last free gradient buffer, which bucket " + std::to_string(next_bucket_) +
+                   " needs: buckets are reduced in bucket order and it is next. Open bucket " +
+                   std::to_string(next_bucket_) +
+                   " first (open and release it without writing if backward leaves it "
+                   "zero), or raise DataParallelOptions::gradient_buffers (now " +
+                   std::to_string(slot_bucket_.size()) + ")");
+    for (std::size_t s = 0; s < slot_bucket_.size(); ++s)
+      if (slot_bucket_[s] == no_index) {
+        slot_bucket_[s] = b;
+        bucket_slot_[b] = s;
+        return s;
+      }
+    std::string held;
+    for (std::size_t h : slot_bucket_) held += (held.empty() ? "" : ", ") + std::to_string(h);
+    detail::fail("tandem: bucket " + std::to_string(b) + " needs a gradient buffer but all " +
+                 std::to_string(slot_bucket_.size()) + " hold buckets (" + held +
+                 ") that are open or wait for an earlier bucket (buckets are reduced in bucket order, from " +
+                 std::to_string(next_bucket_) +
+                 " on); release or open the buckets in bucket order, or raise "
+                 "DataParallelOptions::gradient_buffers");
+  }
+
   /// Issues the buckets, in bucket order, from next_bucket_ on: while each is complete (all its tensors
   /// grad_ready), or all of them when `all`.
   void issue_ready_buckets(const StreamScope& scope, bool all) {
@@ -466,7 +644,7 @@ class DataParallel {
 
   /// Whether every tensor of the next bucket to issue has been announced by grad_ready.
   bool next_bucket_complete() const {
-    return next_bucket_ < plan_.num_buckets() &&
+    return next_bucket_ < plan_.num_buckets() && !bucket_open_[next_bucket_] &&
            bucket_ready_[next_bucket_] == plan_.bucket(next_bucket_).tensors.size();
   }
 
@@ -478,16 +656,25 @@ class DataParallel {
     const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
     const Bucket& bucket = plan_.bucket(b);
     if constexpr (P::reduction == GradientReduction::every_micro_step) {
-      float* send = storage_ == Storage::user ? staging_.data() : grad_flat_.data() + bucket.offset;
+      float* send = staging_.data();
       if (storage_ == Storage::user) {
         pack_grads(scope, b, send, WriteMode::assign, pack_scale);
         for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
           backend_.zero(send + gap.begin, gap.size() * sizeof(float), work_stream());
+      } else {
+        if (bucket_slot_[b] == no_index) acquire_slot(b);  // never opened in this micro-step: zero gradients
+        send = bucket_grads(b);
       }
       P::reduce_gradients(comm_, view(b, send));
       const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
       cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
-      if (storage_ == Storage::owned) backend_.zero(send, bucket.size * sizeof(float), work_stream());
+      if (storage_ == Storage::owned) {  // the slot is zero again, and free for the next bucket
+        const std::size_t slot = bucket_slot_[b];
+        backend_.zero(send, bucket.size * sizeof(float), work_stream());
+        backend_.record(slot_events_[slot], work_stream());
+        slot_bucket_[slot] = no_index;
+        bucket_slot_[b] = no_index;
+      }
     } else {
       float* grads = grad_flat_.data() + bucket.offset;
       if (storage_ == Storage::user) pack_grads(scope, b, grads, mode, pack_scale);
@@ -520,7 +707,8 @@ class DataParallel {
                    std::to_string(world_) + ")");
     std::string problem;
     try {
-      validate_options();
+      detail::validate(options_);
+      Opt::validate(optimizer_);
       layout_ = Layout(std::move(specs));
       validate_tensors();
     } catch (const std::exception& e) {
@@ -533,14 +721,7 @@ class DataParallel {
 
     pdtype_ = layout_[0].dtype;
     psize_ = dtype_size(pdtype_);
-    PlanOptions po;
-    po.bucket_cap_bytes = options_.bucket_cap_bytes;
-    po.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
-    po.world_size = world_;
-    po.bucket_element_bytes = sizeof(float);
-    po.alignment_elements = 16 / psize_;
-    po.shard_alignment_elements = 128 / psize_;
-    plan_ = Plan(layout_sizes(), po);
+    plan_ = detail::plan_for(layout_, options_, world_);
     allocate();
     ready_.assign(layout_.size(), 0);
     bucket_ready_.assign(plan_.num_buckets(), 0);
@@ -562,25 +743,8 @@ class DataParallel {
                    std::to_string(layout_.size()) + " tensors");
   }
 
-  TANDEM_COLD void validate_options() const {
-    if (options_.accumulation_steps < 1)
-      detail::fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options_.accumulation_steps) +
-                   "; it must be at least 1");
-    if (!(options_.max_grad_norm >= 0.0f) || !std::isfinite(options_.max_grad_norm))
-      detail::fail("tandem: DataParallelOptions::max_grad_norm is " + std::to_string(options_.max_grad_norm) +
-                   "; it must be finite and >= 0 (0 disables clipping)");
-    if (options_.bucket_cap_bytes < sizeof(float) || options_.first_bucket_cap_bytes < sizeof(float))
-      detail::fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
-    Opt::validate(optimizer_);
-  }
-
   TANDEM_COLD void validate_tensors() const {
-    const DType first = layout_[0].dtype;
-    for (std::size_t i = 0; i < layout_.size(); ++i) {
-      if (layout_[i].dtype != first)
-        detail::fail(layout_.describe(i) + ": dtype " + dtype_name(layout_[i].dtype) + " differs from " +
-                     layout_.describe(0) + "'s " + dtype_name(first) + "; use one DataParallel per parameter dtype");
-    }
+    detail::validate_one_dtype(layout_);
     if (storage_ == Storage::owned) return;
     struct Span {
       std::uintptr_t begin, end;
@@ -664,7 +828,7 @@ class DataParallel {
   /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
   TANDEM_COLD void agree_across_ranks(const std::string& problem) {
     all_ranks_succeed(problem);
-    constexpr std::size_t words = 11;
+    constexpr std::size_t words = 12;
     std::vector<std::uint64_t> mine(words, 0);
     mine[0] = layout_.fingerprint();
     mine[1] = layout_.size();
@@ -678,6 +842,7 @@ class DataParallel {
     mine[9] = static_cast<std::uint64_t>(world_);
     std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
     mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
+    mine[11] = static_cast<std::uint64_t>(options_.gradient_buffers);
     const std::vector<std::uint64_t> all = all_gather_words(mine);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
@@ -691,7 +856,8 @@ class DataParallel {
       if (!std::equal(w0 + 3, w0 + words, w + 3))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size, max_grad_norm or non_finite); every rank must use the same "
+                     "bucket caps, storage, world size, max_grad_norm, non_finite or gradient_buffers); every rank "
+                     "must use the same "
                      "configuration");
     }
   }
@@ -702,38 +868,32 @@ class DataParallel {
     return h;
   }
 
-  TANDEM_COLD std::vector<std::size_t> layout_sizes() const {
-    std::vector<std::size_t> n;
-    n.reserve(layout_.size());
-    for (const TensorSpec& t : layout_.tensors()) n.push_back(t.numel);
-    return n;
-  }
-
   std::size_t owned_total() const {
     return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
   }
 
+  /// Allocates the buffers the policy's rule asks for (P::buffers); memory_report() counts them.
   TANDEM_COLD void allocate() {
-    const std::size_t owned = owned_total();
-    param_flat_ = backend_.template allocate<unsigned char>(plan_.total_size() * psize_);
-    backend_.zero(param_flat_.data(), param_flat_.bytes(), work_stream());
-    if (pdtype_ != DType::fp32) master_ = backend_.template allocate<float>(owned);
     state_count_ = Opt::state_count(optimizer_);
-    for (std::size_t k = 0; k < state_count_; ++k) {
-      state_[k] = backend_.template allocate<float>(owned);
-      backend_.zero(state_[k].data(), state_[k].bytes(), work_stream());
-    }
-    if (P::reduction == GradientReduction::at_boundary || storage_ == Storage::owned) {
-      grad_flat_ = backend_.template allocate<float>(plan_.total_size());
-      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());  // padding stays zero forever
-    }
-    if (P::reduction == GradientReduction::every_micro_step) {
-      if (storage_ == Storage::user) {
-        staging_ = backend_.template allocate<float>(plan_.max_bucket_size());
-        backend_.zero(staging_.data(), staging_.bytes(), work_stream());
-      }
-      grad_shard_ = backend_.template allocate<float>(plan_.total_shard_size());
-    }
+    const Buffers need = P::buffers({plan_, pdtype_, storage_, static_cast<std::size_t>(options_.gradient_buffers)});
+    auto zeroed = [&](auto& buffer, std::size_t n) {
+      using T = std::remove_pointer_t<decltype(buffer.data())>;
+      if (n == 0) return;
+      buffer = backend_.template allocate<T>(n);
+      backend_.zero(buffer.data(), buffer.bytes(), work_stream());  // padding stays zero forever
+    };
+    zeroed(param_flat_, need.param_flat * psize_);
+    if (need.master != 0) master_ = backend_.template allocate<float>(need.master);
+    for (std::size_t k = 0; k < state_count_; ++k) zeroed(state_[k], need.state);
+    zeroed(grad_flat_, need.grad_flat);
+    zeroed(staging_, need.staging);
+    zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
+    if (need.grad_shard != 0) grad_shard_ = backend_.template allocate<float>(need.grad_shard);
+    slot_size_ = need.grad_slot_size;
+    slot_bucket_.assign(need.grad_slots, no_index);
+    bucket_slot_.assign(plan_.num_buckets(), no_index);
+    for (std::size_t k = 0; k < need.grad_slots; ++k) slot_events_.push_back(backend_.make_event());
+    bucket_open_.assign(plan_.num_buckets(), 0);
   }
 
   TANDEM_COLD void build_pack_tables() {
@@ -905,6 +1065,7 @@ class DataParallel {
 
   template <class T>
   using Buffer = typename Backend::template Buffer<T>;
+  static constexpr std::size_t no_index = static_cast<std::size_t>(-1);
 
   Comm& comm_;
   Backend backend_;
@@ -925,8 +1086,15 @@ class DataParallel {
   Buffer<float> state_[2];
   Buffer<float> grad_flat_;
   Buffer<float> staging_;
+  Buffer<float> grad_slots_;
   Buffer<float> grad_shard_;
-  Buffer<double> norm_terms_;  ///< the global norm's terms and, last, their total
+  std::size_t slot_size_ = 0;                         ///< elements per gradient slot
+  std::vector<std::size_t> slot_bucket_;              ///< the bucket slot s holds in this micro-step, or no_index
+  std::vector<std::size_t> bucket_slot_;              ///< the slot bucket b holds, or no_index
+  std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again
+  std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
+  std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
+  Buffer<double> norm_terms_;                         ///< the global norm's terms and, last, their total
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
   std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step

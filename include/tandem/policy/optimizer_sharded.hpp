@@ -32,6 +32,13 @@ struct OptimizerSharded : detail::ShardedCollectives {
   static constexpr const char* name = "OptimizerSharded";
   static constexpr StateSharding state = StateSharding::sharded;
   static constexpr GradientReduction reduction = GradientReduction::at_boundary;
+
+  /// Full parameters and gradients (accumulated locally until the boundary); master weights and optimizer state of
+  /// this rank's shard only.
+  static Buffers buffers(const BufferInputs& in) {
+    const std::size_t full = in.plan.total_size(), shard = in.plan.total_shard_size();
+    return {.param_flat = full, .master = in.param_dtype == DType::fp32 ? 0 : shard, .state = shard, .grad_flat = full};
+  }
 };
 
 }  // namespace tandem

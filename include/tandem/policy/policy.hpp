@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// What a policy decides, and the concept a policy type satisfies. A policy is an empty tag type whose
-// static members say which buffers exist (through two traits) and which collective runs in each phase
-// (two hooks over one bucket). The front (front/data_parallel.hpp) calls nothing else, so adding a policy
-// is adding one short file.
+// What a policy decides, and the concept a policy type satisfies. A policy is an empty tag type and the one place
+// of its behaviour: two traits (who keeps the optimizer state, when gradients are reduced), the collectives of each
+// phase (two hooks over one bucket), and its buffer rule: which buffers a rank allocates and how large, from which
+// the memory report and the estimator (front/estimate.hpp) both follow. The front calls nothing else.
 #pragma once
 
 #include <concepts>
@@ -10,6 +10,7 @@
 
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/core/plan.hpp"
 #include "tandem/core/stream.hpp"
 
 namespace tandem {
@@ -26,6 +27,82 @@ enum class GradientReduction {
   every_micro_step  ///< reduce-scatter every micro-step into an fp32 shard accumulator; no full reduced copy
 };
 
+/// Where the parameters and the gradients backward writes live.
+enum class Storage {
+  user,  ///< the user's own buffers (TensorRef): tandem packs the gradients and unpacks the parameters
+  owned  ///< tandem's (TensorSpec): the user's tensors are views into tandem's buckets (zero-copy)
+};
+
+/// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers and
+/// `buckets` is everything else tandem allocates besides master weights and optimizer state; with Storage::owned,
+/// `params` and `grads` are tandem's storage that lives across the step, and `buckets` is its transient storage.
+struct MemoryReport {
+  std::size_t params = 0;           ///< parameter storage
+  std::size_t grads = 0;            ///< gradient storage (the user's buffers, or what tandem keeps across the step)
+  std::size_t master_weights = 0;   ///< fp32 master copies of 16-bit parameters
+  std::size_t optimizer_state = 0;  ///< optimizer moments
+  std::size_t buckets = 0;          ///< tandem's communication buffers and accumulators
+  std::size_t total() const { return params + grads + master_weights + optimizer_state + buckets; }
+  std::size_t model_states() const { return params + grads + master_weights + optimizer_state; }
+  friend bool operator==(const MemoryReport&, const MemoryReport&) = default;
+};
+
+/// What a policy's buffer rule reads: the plan and the choices fixed at construction.
+struct BufferInputs {
+  const Plan& plan;
+  DType param_dtype = DType::fp32;
+  Storage storage = Storage::user;
+  std::size_t gradient_buffers = 2;  ///< DataParallelOptions::gradient_buffers
+};
+
+/// The buffers one rank allocates, in elements (fp32 unless said). A zero means the buffer does not exist.
+struct Buffers {
+  std::size_t param_flat = 0;  ///< parameter dtype: every bucket's parameters
+  std::size_t master = 0;      ///< fp32 master weights of the owned range (16-bit parameters only)
+  std::size_t state = 0;       ///< each optimizer state array, over the owned range
+  std::size_t grad_flat = 0;   ///< full-size gradients living across the step
+  std::size_t grad_slots = 0;  ///< reused bucket gradient buffers (owned storage under sharded gradients)
+  std::size_t grad_slot_size = 0;
+  std::size_t staging = 0;     ///< one bucket of packed gradients (the user's storage under sharded gradients)
+  std::size_t grad_shard = 0;  ///< the reduced-gradient shard accumulator
+};
+
+/// The memory report of a set of buffers: the categories of MemoryReport, one rule for every policy. `numel` is the
+/// layout's element count (the user's buffers' size with Storage::user); `state_count` the optimizer's arrays.
+inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::size_t numel, std::size_t state_count) {
+  const std::size_t p = dtype_size(in.param_dtype), f = sizeof(float);
+  MemoryReport r;
+  r.master_weights = b.master * f;
+  r.optimizer_state = state_count * b.state * f;
+  const std::size_t transient = (b.grad_slots * b.grad_slot_size + b.staging) * f;
+  if (in.storage == Storage::user) {
+    r.params = numel * p;
+    r.grads = numel * p;
+    r.buckets = b.param_flat * p + (b.grad_flat + b.grad_shard) * f + transient;
+  } else {
+    r.params = b.param_flat * p;
+    r.grads = (b.grad_flat + b.grad_shard) * f;
+    r.buckets = transient;
+  }
+  return r;
+}
+
+namespace detail {
+
+/// A communicator with nothing behind it, for checking that a policy's hooks accept every Communicator.
+struct ArchetypeCommunicator {
+  int rank() const;
+  int size() const;
+  void all_reduce(const void*, void*, std::size_t, DType, ReduceOp, Stream);
+  void reduce_scatter(const void*, void*, std::size_t, DType, ReduceOp, Stream);
+  void all_gather(const void*, void*, std::size_t, DType, Stream);
+  void broadcast(const void*, void*, std::size_t, DType, int, Stream);
+  void barrier();
+};
+static_assert(Communicator<ArchetypeCommunicator>);
+
+}  // namespace detail
+
 /// One bucket as a policy's hooks see it.
 struct BucketView {
   float* grad = nullptr;  ///< the bucket's fp32 gradients (size elements)
@@ -38,10 +115,18 @@ struct BucketView {
 };
 
 template <class P>
-concept Policy = requires {
+concept Policy = requires(detail::ArchetypeCommunicator& comm, const BucketView& bucket, const BufferInputs& in) {
   { P::name } -> std::convertible_to<const char*>;
   { P::state } -> std::convertible_to<StateSharding>;
   { P::reduction } -> std::convertible_to<GradientReduction>;
+  P::reduce_gradients(comm, bucket);
+  P::gather_parameters(comm, bucket);
+  { P::buffers(in) } -> std::same_as<Buffers>;
 };
+
+/// Whether a policy's traits can work together; DataParallel states the reason when they cannot.
+template <Policy P>
+inline constexpr bool coherent_policy =
+    !(P::state == StateSharding::replicated && P::reduction == GradientReduction::every_micro_step);
 
 }  // namespace tandem

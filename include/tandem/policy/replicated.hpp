@@ -19,6 +19,13 @@ struct Replicated {
 
   template <Communicator C>
   static void gather_parameters(C&, const BucketView&) {}  // every rank already holds every update
+
+  /// Every buffer full size: the parameters, their gradients (accumulated across micro-steps), and for the whole
+  /// flat space the master weights (16-bit parameters) and optimizer state.
+  static Buffers buffers(const BufferInputs& in) {
+    const std::size_t full = in.plan.total_size();
+    return {.param_flat = full, .master = in.param_dtype == DType::fp32 ? 0 : full, .state = full, .grad_flat = full};
+  }
 };
 
 }  // namespace tandem

@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: Apache-2.0
+// DataParallel's construction options, and the plan they give for a layout: shared by DataParallel and the memory
+// estimator (front/estimate.hpp), so that both cut the same buckets.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/plan.hpp"
+#include "tandem/core/stream.hpp"
+#include "tandem/core/tensor.hpp"
+
+namespace tandem {
+
+/// What step() does when the reduced gradients hold a NaN or an infinity (detected on every rank alike, from
+/// the global sum of squares).
+enum class NonFinite {
+  ignore,      ///< no check: the update proceeds (and the parameters become non-finite)
+  skip_step,   ///< discard this step's gradients, leave parameters and optimizer state as they were, count it
+  throw_error  ///< throw tandem::error on every rank
+};
+
+struct DataParallelOptions {
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
+  int accumulation_steps = 1;                                 ///< micro-steps per optimizer step
+  float max_grad_norm = 0.0f;  ///< > 0: scale gradients by min(1, max_grad_norm / (norm + 1e-6)), as torch does
+  NonFinite non_finite = NonFinite::ignore;  ///< checking costs one pass over the owned gradients
+  /// Owned storage under a policy that keeps no full gradients (GradientSharded): how many bucket-sized gradient
+  /// buffers backward writes into, reused bucket after bucket; at most this many buckets are open (gradients(b)) or
+  /// waiting to be reduced at once.
+  int gradient_buffers = 2;
+  Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
+};
+
+namespace detail {
+
+/// Throws tandem::error naming the first option out of range.
+TANDEM_COLD inline void validate(const DataParallelOptions& options) {
+  if (options.accumulation_steps < 1)
+    fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options.accumulation_steps) +
+         "; it must be at least 1");
+  if (!(options.max_grad_norm >= 0.0f) || !std::isfinite(options.max_grad_norm))
+    fail("tandem: DataParallelOptions::max_grad_norm is " + std::to_string(options.max_grad_norm) +
+         "; it must be finite and >= 0 (0 disables clipping)");
+  if (options.bucket_cap_bytes < sizeof(float) || options.first_bucket_cap_bytes < sizeof(float))
+    fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
+  if (options.gradient_buffers < 1)
+    fail("tandem: DataParallelOptions::gradient_buffers is " + std::to_string(options.gradient_buffers) +
+         "; it must be at least 1");
+}
+
+/// Throws tandem::error unless every tensor has the first one's dtype (one DataParallel per parameter dtype).
+TANDEM_COLD inline void validate_one_dtype(const Layout& layout) {
+  for (std::size_t i = 1; i < layout.size(); ++i)
+    if (layout[i].dtype != layout[0].dtype)
+      fail(layout.describe(i) + ": dtype " + dtype_name(layout[i].dtype) + " differs from " + layout.describe(0) +
+           "'s " + dtype_name(layout[0].dtype) + "; use one DataParallel per parameter dtype");
+}
+
+/// The buckets DataParallel cuts for these tensors (layout order, one parameter dtype) at this world size: caps in
+/// fp32 gradient bytes, tensor offsets aligned to 16 bytes and shards to 128 bytes of the parameter dtype.
+inline Plan plan_for(const Layout& layout, const DataParallelOptions& options, int world_size) {
+  const std::size_t psize = dtype_size(layout[0].dtype);
+  PlanOptions po;
+  po.bucket_cap_bytes = options.bucket_cap_bytes;
+  po.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
+  po.world_size = world_size;
+  po.bucket_element_bytes = sizeof(float);
+  po.alignment_elements = 16 / psize;
+  po.shard_alignment_elements = 128 / psize;
+  std::vector<std::size_t> sizes;
+  sizes.reserve(layout.size());
+  for (const TensorSpec& t : layout.tensors()) sizes.push_back(t.numel);
+  return Plan(sizes, po);
+}
+
+}  // namespace detail
+
+}  // namespace tandem

@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+// GradientBucket (DataParallel::gradients(b)): owned storage's bucket-by-bucket gradient views. Under GradientSharded
+// they lie in a few reused bucket buffers (DataParallelOptions::gradient_buffers), so no full-size gradient buffer
+// exists. Training through them must give bitwise what OptimizerSharded gives with its full gradient buffer (the same
+// sums in the same order at accumulation 1), whatever the number of buffers and the order buckets are opened in; a
+// bucket never opened is zero; every misuse is a clear error; a bucket abandoned by an exception stops the micro-step
+// until load_checkpoint. Built twice (streams label): on the stream-faithful backend a missing wait between tandem's
+// zeroing of a buffer and the user's next writes into it changes the result.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../examples/mlp/mlp.hpp"
+#include "support/backend.hpp"
+#include "support/params.hpp"
+#include "tandem/tandem.hpp"
+
+namespace {
+
+using test::Params;
+
+const std::vector<int> dims = {13, 37, 29, 23, 19, 7};
+constexpr int global_batch = 12;
+constexpr int steps = 8;
+
+const mlp::Dataset& dataset() {
+  static const mlp::Dataset data(global_batch * 2 * steps, dims.front(), dims.back(), 3);
+  return data;
+}
+
+/// How backward opens the buckets in one micro-step.
+enum class Order {
+  in_order,       ///< 0, 1, 2, ...: one open at a time
+  pairs_swapped,  ///< 1, 0, 3, 2, ...: a later bucket first, so two are held at once
+  skip_odd,       ///< odd buckets never opened (their gradients are taken as zero)
+  empty_odd       ///< odd buckets opened and released without a write
+};
+
+std::vector<tandem::TensorSpec> specs_of(mlp::Mlp<float>& model) {
+  std::vector<tandem::TensorSpec> specs;
+  for (const auto& r : model.tensors()) specs.push_back({r.name, r.numel, r.dtype});
+  return specs;
+}
+
+/// Trains the MLP with owned storage at `world` ranks, writing each bucket's gradients through gradients(b) in
+/// `order`; returns rank 0's final parameters.
+template <class Policy>
+Params train(int world, int accumulation, int buffers, Order order) {
+  Params result;
+  std::mutex m;
+  tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 11);
+    const std::vector<tandem::TensorSpec> specs = specs_of(model);
+    test::DataParallel<Policy, tandem::AdamW> dp(comm, specs, {.lr = 1e-2f, .weight_decay = 0.01f},
+                                                 {.bucket_cap_bytes = 1024,
+                                                  .first_bucket_cap_bytes = 512,
+                                                  .accumulation_steps = accumulation,
+                                                  .gradient_buffers = buffers});
+    REQUIRE(dp.num_buckets() >= 6);
+    for (std::size_t i = 0; i < specs.size(); ++i)
+      std::memcpy(dp.template param_view<float>(i), model.params()[i].data(), specs[i].numel * sizeof(float));
+    dp.broadcast_parameters();
+    const int local = global_batch / world;
+    for (int s = 0; s < steps * accumulation; ++s) {
+      for (std::size_t i = 0; i < specs.size(); ++i)
+        std::memcpy(model.params()[i].data(), dp.template param_view<float>(i), specs[i].numel * sizeof(float));
+      model.forward_backward(dataset(), s * global_batch + comm.rank() * local, local);
+      auto write = [&](std::size_t b) {
+        auto bucket = dp.gradients(b);
+        for (std::size_t i : bucket.tensors()) {
+          float* g = bucket.grad(i);
+          for (std::size_t e = 0; e < specs[i].numel; ++e) g[e] += model.grads()[i][e];
+        }
+      };
+      const std::size_t n = dp.num_buckets();
+      for (std::size_t b = 0; b < n; ++b) {
+        if (order == Order::in_order) write(b);
+        if (order == Order::skip_odd && b % 2 == 0) write(b);
+        if (order == Order::empty_odd) {
+          if (b % 2 == 0)
+            write(b);
+          else
+            auto bucket = dp.gradients(b);
+        }
+        if (order == Order::pairs_swapped && b % 2 == 0) {
+          if (b + 1 == n) {
+            write(b);
+            continue;
+          }
+          auto later = dp.gradients(b + 1);  // held while bucket b is opened, written and released
+          write(b);
+          for (std::size_t i : later.tensors()) {
+            float* g = later.grad(i);
+            for (std::size_t e = 0; e < specs[i].numel; ++e) g[e] += model.grads()[i][e];
+          }
+        }
+      }
+      dp.step();
+    }
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        const float* p = dp.template param_view<float>(i);
+        result.emplace_back(p, p + specs[i].numel);
+      }
+    }
+  });
+  return result;
+}
+
+template <class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const tandem::error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("GradientSharded through reused gradient buffers equals OptimizerSharded bit for bit") {
+  for (int world = 1; world <= 3; ++world) {
+    CAPTURE(world);
+    const Params reference = train<tandem::OptimizerSharded>(world, 1, 2, Order::in_order);
+    for (int buffers : {1, 2, 3}) {
+      CAPTURE(buffers);
+      CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, 1, buffers, Order::in_order), reference));
+    }
+    CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, 1, 2, Order::pairs_swapped), reference));
+    CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, 1, 2, Order::pairs_swapped), reference));
+  }
+}
+
+TEST_CASE("with accumulation, through reused buffers, every number of buffers gives the same bits") {
+  for (int world : {1, 2, 3}) {
+    CAPTURE(world);
+    const Params reference = train<tandem::GradientSharded>(world, 2, 3, Order::in_order);
+    CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, 2, 1, Order::in_order), reference));
+    CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, 2, 2, Order::pairs_swapped), reference));
+    // The same training within rounding of OptimizerSharded's (which sums micro-steps before reducing).
+    CHECK(test::max_relative_error(train<tandem::OptimizerSharded>(world, 2, 2, Order::in_order), reference) < 1e-5);
+  }
+}
+
+TEST_CASE("a bucket never opened, or opened and not written, contributes zero gradients, under every policy") {
+  const Params reference = train<tandem::Replicated>(2, 1, 2, Order::skip_odd);
+  CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(2, 1, 2, Order::skip_odd), reference));
+  CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(2, 1, 2, Order::empty_odd), reference));
+  CHECK(test::bitwise_equal(train<tandem::GradientSharded>(2, 1, 1, Order::empty_odd), reference));
+  // Skipped buckets are reduced in their turn, so the later buckets opened meanwhile each hold a buffer: with as
+  // many buffers as buckets that always works; with one, opening bucket 2 while bucket 1 is next says so.
+  CHECK(test::bitwise_equal(train<tandem::GradientSharded>(2, 1, 64, Order::skip_odd), reference));
+  CHECK_THROWS_WITH_AS(train<tandem::GradientSharded>(2, 1, 1, Order::skip_odd),
+                       doctest::Contains("gradients(2): bucket 2 would take the last free gradient buffer, which "
+                                         "bucket 1 needs"),
+                       tandem::error);
+  CHECK(!test::bitwise_equal(train<tandem::Replicated>(2, 1, 2, Order::in_order), reference));
+}
+
+TEST_CASE("gradients(b) misuse is a clear error") {
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    const std::vector<tandem::TensorSpec> specs = specs_of(model);
+    const tandem::DataParallelOptions options{
+        .bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .gradient_buffers = 2};
+
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> copy(comm, model.tensors(), {}, options);
+    CHECK(message_of([&] { (void)copy.gradients(0); }).find("gradients(b) is for owned storage") != std::string::npos);
+
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs, {}, options);
+    dp.broadcast_parameters();
+    const std::size_t n = dp.num_buckets();
+    CHECK(message_of([&] { (void)dp.gradients(n); }).find("bucket out of range") != std::string::npos);
+    CHECK(message_of([&] { (void)dp.grad_view(0); }).find("keeps no full-size gradients; open tensor 0's bucket") !=
+          std::string::npos);
+    {
+      auto b0 = dp.gradients(0);
+      CHECK(message_of([&] { (void)dp.gradients(0); }).find("already open") != std::string::npos);
+      const std::size_t other = dp.plan().bucket(1).tensors.front();
+      CHECK(message_of([&] { (void)b0.grad(other); }).find("not in this handle's bucket 0") != std::string::npos);
+      CHECK(message_of([&] { dp.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
+      auto b1 = dp.gradients(1);
+      // Both buffers are held: bucket 2 cannot have one, and the message says how to proceed.
+      const std::string full = message_of([&] { (void)dp.gradients(2); });
+      CHECK(full.find("all 2 hold buckets (0, 1)") != std::string::npos);
+      CHECK(full.find("DataParallelOptions::gradient_buffers") != std::string::npos);
+      b1.release();
+      CHECK(message_of([&] { b1.release(); }).find("used after release()") != std::string::npos);
+      // Bucket 1 waits for bucket 0 (buckets are reduced in bucket order), so it keeps its buffer.
+      CHECK(message_of([&] { (void)dp.gradients(2); }).find("all 2 hold buckets (0, 1)") != std::string::npos);
+    }
+    CHECK(message_of([&] { (void)dp.gradients(0); }).find("already complete in this micro-step") != std::string::npos);
+    auto b2 = dp.gradients(2);  // both buffers are free again: buckets 0 and 1 were reduced
+    b2.release();
+    CHECK(dp.step().updated);
+    auto again = dp.gradients(0);  // a new micro-step
+    CHECK(again.bucket() == 0);
+  });
+}
+
+TEST_CASE("a GradientBucket destroyed by an exception stops the micro-step until load_checkpoint") {
+  const std::string path = "test_gradient_buckets_abandoned.tandem";
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    const std::vector<tandem::TensorSpec> specs = specs_of(model);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(
+        comm, specs, {}, {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .gradient_buffers = 1});
+    dp.broadcast_parameters();
+    dp.step();
+    dp.save_checkpoint(path);
+    try {
+      auto bucket = dp.gradients(0);
+      bucket.grad(bucket.tensors().front())[0] = 1e6f;  // half-written when backward fails
+      throw std::runtime_error("backward failed");
+    } catch (const std::runtime_error&) {
+    }
+    CHECK(message_of([&] { dp.step(); }).find("destroyed by an exception during backward") != std::string::npos);
+    CHECK(message_of([&] { (void)dp.gradients(1); }).find("load_checkpoint starts a clean window") !=
+          std::string::npos);
+    dp.load_checkpoint(path);
+    // A clean window: the abandoned buffer was zeroed. A fresh DataParallel loaded from the same checkpoint and
+    // stepped alike gives the same bits (the 1e6 would have moved the first tensor).
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> fresh(
+        comm, specs, {}, {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .gradient_buffers = 1});
+    fresh.load_checkpoint(path);
+    { auto bucket = dp.gradients(0); }
+    CHECK(dp.step().updated);
+    CHECK(fresh.step().updated);
+    CHECK(dp.step_count() == 2);
+    for (std::size_t i = 0; i < specs.size(); ++i)
+      CHECK(std::memcmp(dp.template param_view<float>(i), fresh.template param_view<float>(i),
+                        specs[i].numel * sizeof(float)) == 0);
+  });
+  std::remove(path.c_str());
+}
