@@ -15,6 +15,7 @@
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
 #include "support/params.hpp"
+#include "support/temp_path.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -31,12 +32,7 @@ const mlp::Dataset& dataset() {
   return data;
 }
 
-// Unique to this process: ctest runs each case as a process of its own, several at once, and two cases (or two
-// instantiations of one template case) must not save to the same file.
-std::string temp_path(const std::string& name) {
-  static const std::string process = std::to_string(std::random_device{}());
-  return (std::filesystem::temp_directory_path() / ("tandem_test_" + name + "_" + process + ".ckpt")).string();
-}
+using test::temp_path;
 
 enum class Action { none, save, load };
 

@@ -98,8 +98,9 @@ class DataParallel {
     construct(std::move(specs), Storage::user);
   }
 
-  /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) and grad_view(i) point into
-  /// it. Write initial values through the views, then call broadcast_parameters() before the first step().
+  /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) points into it, and backward writes
+  /// the gradients through gradients(b). Write initial values through the views, then call broadcast_parameters()
+  /// before the first step().
   DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options) {
@@ -114,6 +115,9 @@ class DataParallel {
   /// stream waits for the work stream, so that what it does next (free or overwrite the gradients a pack still reads,
   /// say) comes after tandem's queued work.
   ~DataParallel() {
+    for (std::size_t b = 0; b < bucket_open_.size(); ++b)
+      if (bucket_open_[b])
+        std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle\n", b);
     try {
       const StreamScope scope(*this, Exit::leave);
     } catch (const std::exception& e) {
@@ -295,10 +299,10 @@ class DataParallel {
   /// and verifies the file before anything is changed; if any rank fails, every rank throws and nothing changed.
   /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
   TANDEM_COLD void load_checkpoint(const std::string& path) {
-    check_no_open_bucket("load_checkpoint");
     std::string problem;
     CheckpointData c;
     try {
+      check_no_open_bucket("load_checkpoint");
       c = read_checkpoint(path);
       check_checkpoint(c, path);
     } catch (const std::exception& e) {
@@ -332,24 +336,31 @@ class DataParallel {
     scope.leave();
   }
 
+  /// Drops the gradients of the current accumulation window (every micro-step since the last optimizer step, and any
+  /// bucket half written) and starts a clean window; parameters, optimizer state and the step count are unchanged.
+  /// This is how to go on after a failure inside a micro-step (a GradientBucket destroyed by an exception, say). It
+  /// issues no collective: call it on every rank at the same point, or the ranks' micro-steps no longer match
+  /// (all_ranks_have_batch reports it).
+  void discard_gradients() {
+    check_no_open_bucket("discard_gradients");
+    const StreamScope scope(*this, Exit::leave);  // the user's stream may still write gradients tandem now zeroes
+    reset_window();
+  }
+
   /// Bytes this rank holds for training, by category (see MemoryReport), counted from the actual allocations.
   /// estimate_memory (front/estimate.hpp) gives the same figures without constructing anything.
   TANDEM_COLD MemoryReport memory_report() const {
-    MemoryReport r;
-    const std::size_t user_bytes = layout_.total_numel() * psize_;
-    r.master_weights = master_.bytes();
-    r.optimizer_state = state_[0].bytes() + state_[1].bytes();
-    const std::size_t transient = staging_.bytes() + grad_slots_.bytes();
-    if (storage_ == Storage::user) {
-      r.params = user_bytes;
-      r.grads = user_bytes;
-      r.buckets = param_flat_.bytes() + grad_flat_.bytes() + grad_shard_.bytes() + transient;
-    } else {
-      r.params = param_flat_.bytes();
-      r.grads = grad_flat_.bytes() + grad_shard_.bytes();
-      r.buckets = transient;
-    }
-    return r;
+    constexpr std::size_t f = sizeof(float);
+    const Buffers held{.param_flat = param_flat_.bytes() / psize_,
+                       .master = master_.bytes() / f,
+                       .state = state_[0].bytes() / f,
+                       .grad_flat = grad_flat_.bytes() / f,
+                       .grad_slots = slot_size_ == 0 ? 0 : grad_slots_.bytes() / f / slot_size_,
+                       .grad_slot_size = slot_size_,
+                       .staging = staging_.bytes() / f,
+                       .grad_shard = grad_shard_.bytes() / f};
+    const std::size_t arrays = (state_[0].data() != nullptr ? 1 : 0) + (state_[1].data() != nullptr ? 1 : 0);
+    return memory_of(held, buffer_inputs(), layout_.total_numel(), arrays);
   }
 
   /// Owned storage only: tensor i's parameters, a view into tandem's parameter buckets. T must be the
@@ -368,12 +379,10 @@ class DataParallel {
   /// DataParallel's life. Backward adds into it; tandem zeroes it once the gradients are consumed. Under every
   /// policy, gradients(b) gives the same views bucket by bucket.
   float* grad_view(std::size_t i) const {
+    static_assert(P::reduction == GradientReduction::at_boundary,
+                  "grad_view needs a policy that keeps full-size gradients across the step; under a policy that "
+                  "reduces every micro-step (GradientSharded) write each bucket's gradients through gradients(b)");
     check_view(i, "grad_view");
-    if (grad_flat_.data() == nullptr)
-      detail::fail(std::string("tandem: grad_view(") + std::to_string(i) + "): " + P::name +
-                   " keeps no full-size gradients; open tensor " + std::to_string(i) + "'s bucket (" +
-                   std::to_string(plan_.placement(i).bucket) +
-                   ") with gradients(b) and write through its grad(i) while it is open");
     return grad_flat_.data() + flat_index(i);
   }
 
@@ -404,7 +413,13 @@ class DataParallel {
                    "announced by grad_ready); open each bucket at most once per micro-step");
     if (grad_flat_.data() == nullptr) {
       const std::size_t slot = acquire_slot(b);
-      backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
+      try {
+        backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
+      } catch (...) {
+        slot_bucket_[slot] = no_index;
+        bucket_slot_[b] = no_index;
+        throw;
+      }
     }
     bucket_open_[b] = 1;
     return GradientBucket(*this, b);
@@ -532,7 +547,7 @@ class DataParallel {
   void check_stepping(const char* what) const {
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
-                   "; load_checkpoint starts a clean window (or construct DataParallel again)");
+                   "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
     Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
     if (Opt::state_count(optimizer_) > state_count_)
       detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
@@ -637,9 +652,16 @@ class DataParallel {
 
   /// Issues the buckets, in bucket order, from next_bucket_ on: while each is complete (all its tensors
   /// grad_ready), or all of them when `all`.
+  /// A bucket whose reduction fails to issue leaves the ranks' collective sequences apart: the micro-step is over.
   void issue_ready_buckets(const StreamScope& scope, bool all) {
-    for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_)
-      issue_bucket(scope, next_bucket_);
+    for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_) {
+      try {
+        issue_bucket(scope, next_bucket_);
+      } catch (const std::exception& e) {
+        broken_ = "issuing bucket " + std::to_string(next_bucket_) + "'s reduction failed (" + e.what() + ")";
+        throw;
+      }
+    }
   }
 
   /// Whether every tensor of the next bucket to issue has been announced by grad_ready.
@@ -872,10 +894,12 @@ class DataParallel {
     return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
   }
 
+  BufferInputs buffer_inputs() const { return detail::buffer_inputs(plan_, pdtype_, storage_, options_); }
+
   /// Allocates the buffers the policy's rule asks for (P::buffers); memory_report() counts them.
   TANDEM_COLD void allocate() {
     state_count_ = Opt::state_count(optimizer_);
-    const Buffers need = P::buffers({plan_, pdtype_, storage_, static_cast<std::size_t>(options_.gradient_buffers)});
+    const Buffers need = P::buffers(buffer_inputs());
     auto zeroed = [&](auto& buffer, std::size_t n) {
       using T = std::remove_pointer_t<decltype(buffer.data())>;
       if (n == 0) return;

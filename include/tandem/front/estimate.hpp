@@ -31,7 +31,7 @@ TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int wo
   const Layout layout(std::move(tensors));
   detail::validate_one_dtype(layout);
   const Plan plan = detail::plan_for(layout, options, world_size);
-  const BufferInputs in{plan, layout[0].dtype, storage, static_cast<std::size_t>(options.gradient_buffers)};
+  const BufferInputs in = detail::buffer_inputs(plan, layout[0].dtype, storage, options);
   return memory_of(P::buffers(in), in, layout.total_numel(), Opt::state_count(optimizer));
 }
 

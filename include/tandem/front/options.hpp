@@ -13,6 +13,7 @@
 #include "tandem/core/plan.hpp"
 #include "tandem/core/stream.hpp"
 #include "tandem/core/tensor.hpp"
+#include "tandem/policy/policy.hpp"
 
 namespace tandem {
 
@@ -77,6 +78,12 @@ inline Plan plan_for(const Layout& layout, const DataParallelOptions& options, i
   sizes.reserve(layout.size());
   for (const TensorSpec& t : layout.tensors()) sizes.push_back(t.numel);
   return Plan(sizes, po);
+}
+
+/// What a policy's buffer rule (P::buffers) reads, from the plan and the options fixed at construction.
+inline BufferInputs buffer_inputs(const Plan& plan, DType param_dtype, Storage storage,
+                                  const DataParallelOptions& options) {
+  return {plan, param_dtype, storage, static_cast<std::size_t>(options.gradient_buffers)};
 }
 
 }  // namespace detail

@@ -6,6 +6,8 @@
 // Collectives per step: reduce-scatter(grads) every micro-step + all-gather(params).
 #pragma once
 
+#include <algorithm>
+
 #include "tandem/policy/optimizer_sharded.hpp"
 #include "tandem/policy/policy.hpp"
 
@@ -28,7 +30,7 @@ struct GradientSharded : detail::ShardedCollectives {
     if (in.storage == Storage::user) {
       b.staging = bucket;
     } else {
-      b.grad_slots = in.gradient_buffers;
+      b.grad_slots = std::min(in.gradient_buffers, in.plan.num_buckets());  // more could never be held
       b.grad_slot_size = bucket;
     }
     return b;

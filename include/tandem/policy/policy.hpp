@@ -34,8 +34,11 @@ enum class Storage {
 };
 
 /// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers and
-/// `buckets` is everything else tandem allocates besides master weights and optimizer state; with Storage::owned,
-/// `params` and `grads` are tandem's storage that lives across the step, and `buckets` is its transient storage.
+/// `buckets` is everything else tandem allocates besides master weights and optimizer state (its flat copies and the
+/// shard accumulator too); with Storage::owned, `params` and `grads` are tandem's storage that lives across the step,
+/// and `buckets` is its transient storage. Not counted: the pack tables (a few bytes per 4096 elements), the scratch
+/// of the gradient norm (a few words per bucket, from the first clipped step), and the backend's and communicator's
+/// own workspaces.
 struct MemoryReport {
   std::size_t params = 0;           ///< parameter storage
   std::size_t grads = 0;            ///< gradient storage (the user's buffers, or what tandem keeps across the step)
@@ -52,7 +55,7 @@ struct BufferInputs {
   const Plan& plan;
   DType param_dtype = DType::fp32;
   Storage storage = Storage::user;
-  std::size_t gradient_buffers = 2;  ///< DataParallelOptions::gradient_buffers
+  std::size_t gradient_buffers = 0;  ///< DataParallelOptions::gradient_buffers
 };
 
 /// The buffers one rank allocates, in elements (fp32 unless said). A zero means the buffer does not exist.
