@@ -30,7 +30,7 @@ const sc::ModelLayout& gpt2_350m() {
   return layout;
 }
 
-// The plan tandem would build, from options written out here rather than taken from plan_options().
+// The plan tandem would build, from options written out here rather than taken from the library's plan_for.
 tandem::Plan hand_plan(const sc::ModelLayout& layout, int world, std::size_t p) {
   tandem::PlanOptions o;
   o.bucket_cap_bytes = 25u << 20;
@@ -107,15 +107,58 @@ TEST_CASE("the tensor list loader rejects malformed lines, naming the line") {
   CHECK_THROWS_AS(sc::load_tensor_list(path.string(), "missing"), tandem::error);
 }
 
-TEST_CASE("plan options are tandem's: 25 MiB / 1 MiB caps, 16 B and 128 B alignment") {
-  const tandem::PlanOptions o = sc::plan_options(8, 2);
-  CHECK(o.bucket_cap_bytes == 26214400);
-  CHECK(o.first_bucket_cap_bytes == 1048576);
-  CHECK(o.world_size == 8);
-  CHECK(o.bucket_element_bytes == 4);
-  CHECK(o.alignment_elements == 8);
-  CHECK(o.shard_alignment_elements == 64);
-  CHECK(sc::plan_options(3, 4).shard_alignment_elements == 32);
+TEST_CASE("the model's plan is tandem's default: 25 MiB / 1 MiB caps, 16 B and 128 B alignment") {
+  for (const sc::ModelLayout* model : {&gpt2_124m(), &gpt2_350m()})
+    for (int n : {1, 3, 8, 64})
+      for (tandem::DType dtype : {tandem::DType::bf16, tandem::DType::fp32}) {
+        CAPTURE(model->name);
+        CAPTURE(n);
+        const tandem::Plan plan = sc::plan_of(*model, n, dtype);
+        const tandem::Plan hand = hand_plan(*model, n, tandem::dtype_size(dtype));
+        REQUIRE(plan.num_buckets() == hand.num_buckets());
+        CHECK(plan.num_buckets() > 1);  // the 1 MiB first bucket at least splits off
+        CHECK(plan.total_size() == hand.total_size());
+        CHECK(plan.total_shard_size() == hand.total_shard_size());
+        for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+          CHECK(plan.buckets()[b].tensors == hand.buckets()[b].tensors);
+          CHECK(plan.buckets()[b].size == hand.buckets()[b].size);
+        }
+      }
+}
+
+TEST_CASE("runtime policy traits map to tandem's policy types; optimizer states to tandem's optimizers") {
+  for (const sc::PolicyTraits& policy : sc::policies) {
+    CAPTURE(std::string(policy.name));
+    const sc::PolicyTraits mapped = sc::with_policy(policy, []<tandem::Policy P>() { return sc::traits_of<P>(); });
+    CHECK(std::string(mapped.name) == policy.name);
+    CHECK(mapped.state == policy.state);
+    CHECK(mapped.reduction == policy.reduction);
+  }
+  const auto name = [](const sc::PolicyTraits& p) {
+    return sc::with_policy(p, []<tandem::Policy P>() { return std::string(P::name); });
+  };
+  sc::PolicyTraits copy = sc::policies[2];
+  std::string spelled = copy.name;  // equal by content, not by pointer
+  copy.name = spelled.c_str();
+  CHECK(name(copy) == "GradientSharded");
+  CHECK_THROWS_WITH_AS(name({"FullySharded", tandem::StateSharding::sharded, tandem::GradientReduction::at_boundary}),
+                       doctest::Contains("FullySharded"), tandem::error);
+  // A known name with another policy's traits is no policy either.
+  CHECK_THROWS_AS(name({"Replicated", tandem::StateSharding::sharded, tandem::GradientReduction::at_boundary}),
+                  tandem::error);
+
+  const auto optimizer = [](std::size_t k) {
+    return sc::with_optimizer(k, []<tandem::Optimizer Opt>(const typename Opt::Options& o) {
+      return std::string(Opt::name) + "/" + std::to_string(Opt::state_count(o));
+    });
+  };
+  CHECK(optimizer(2) == "AdamW/2");
+  CHECK(optimizer(1) == "SGD/1");
+  CHECK(optimizer(0) == "SGD/0");
+  CHECK_THROWS_WITH_AS(optimizer(3), doctest::Contains("optimizer_states"), tandem::error);
+  sc::Inputs in;
+  in.optimizer_states = 3;
+  CHECK_THROWS_WITH_AS(sc::validate(in), doctest::Contains("optimizer_states"), tandem::error);
 }
 
 TEST_CASE("memory at world 1 is the sum of docs/design.md's terms") {
@@ -134,7 +177,7 @@ TEST_CASE("memory at world 1 is the sum of docs/design.md's terms") {
       in.param_dtype = p == 2 ? tandem::DType::bf16 : tandem::DType::fp32;
       const double master = p == 2 ? 4 * F : 0.0;
       // Replicated: psi p + psi p + master + 4*2*F + (pF + 4F).
-      const sc::Memory r = sc::predict(*model, replicated, 1, in).memory;
+      const tandem::MemoryReport r = sc::predict(*model, replicated, 1, in).memory;
       CHECK(r.params == psi * p);
       CHECK(r.grads == psi * p);
       CHECK(r.master_weights == master);
@@ -142,9 +185,9 @@ TEST_CASE("memory at world 1 is the sum of docs/design.md's terms") {
       CHECK(r.buckets == p * F + 4 * F);
       CHECK(r.total() == doctest::Approx(2 * psi * p + master + 8 * F + p * F + 4 * F).epsilon(1e-15));
       // Sharded state at world 1: S = F; GradientSharded's buckets are staging (pF) + one bucket + the accumulator.
-      const sc::Memory z1 = sc::predict(*model, optimizer_sharded, 1, in).memory;
+      const tandem::MemoryReport z1 = sc::predict(*model, optimizer_sharded, 1, in).memory;
       CHECK(z1.total() == r.total());
-      const sc::Memory z2 = sc::predict(*model, gradient_sharded, 1, in).memory;
+      const tandem::MemoryReport z2 = sc::predict(*model, gradient_sharded, 1, in).memory;
       CHECK(z2.buckets == p * F + 4 * M + 4 * F);
       CHECK(z2.total() == doctest::Approx(2 * psi * p + master + 8 * F + p * F + 4 * M + 4 * F).epsilon(1e-15));
     }
@@ -160,13 +203,13 @@ TEST_CASE("sharded master weights and optimizer state shrink as 1/N (within padd
     for (int n : worlds) {
       CAPTURE(n);
       for (const sc::PolicyTraits* policy : {&optimizer_sharded, &gradient_sharded}) {
-        const sc::Memory m = sc::predict(*model, *policy, n, in).memory;
+        const tandem::MemoryReport m = sc::predict(*model, *policy, n, in).memory;
         // 4 bytes x 2 states per element; each bucket pads by less than n x 64 elements.
         CHECK(m.optimizer_state * n >= one);
         CHECK(m.optimizer_state * n < one + 8.0 * buckets * n * 64);
         CHECK(m.master_weights * 2 == m.optimizer_state);
       }
-      const sc::Memory r = sc::predict(*model, replicated, n, in).memory;
+      const tandem::MemoryReport r = sc::predict(*model, replicated, n, in).memory;
       CHECK(r.optimizer_state >= one);
       CHECK(r.optimizer_state < one + 8.0 * buckets * n * 64);
       // GradientSharded keeps one staging bucket (4M) and a shard accumulator (4S) instead of ZeRO-1's 4F.
@@ -175,6 +218,30 @@ TEST_CASE("sharded master weights and optimizer state shrink as 1/N (within padd
                    M = static_cast<double>(plan.max_bucket_size());
       CHECK(sc::predict(*model, gradient_sharded, n, in).memory.buckets == 2 * F + 4 * M + 4 * S);
       CHECK(sc::predict(*model, optimizer_sharded, n, in).memory.buckets == 2 * F + 4 * F);
+    }
+  }
+}
+
+TEST_CASE("optimizer state is 4kF replicated and 4kS sharded for k = 0, 1, 2; nothing else depends on k") {
+  const sc::ModelLayout& model = gpt2_350m();
+  for (int n : {1, 8, 64}) {
+    CAPTURE(n);
+    const tandem::Plan plan = hand_plan(model, n, 2);
+    const double F = static_cast<double>(plan.total_size()), S = static_cast<double>(plan.total_shard_size());
+    sc::Inputs adamw;
+    for (std::size_t k : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+      CAPTURE(k);
+      sc::Inputs in;
+      in.optimizer_states = k;
+      for (const sc::PolicyTraits& policy : sc::policies) {
+        CAPTURE(std::string(policy.name));
+        const double owned = policy.state == tandem::StateSharding::sharded ? S : F;
+        const tandem::MemoryReport m = sc::predict(model, policy, n, in).memory;
+        const tandem::MemoryReport a = sc::predict(model, policy, n, adamw).memory;
+        CHECK(m.optimizer_state == 4 * static_cast<double>(k) * owned);
+        CHECK(m.master_weights == 4 * owned);
+        CHECK(m.total() - m.optimizer_state == a.total() - a.optimizer_state);
+      }
     }
   }
 }

@@ -92,7 +92,7 @@ void print_memory_table(const sc::ModelLayout& model, sc::Inputs in, tandem::DTy
   std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
   for (const sc::PolicyTraits& policy : sc::policies)
     for (int world : worlds) {
-      const sc::Memory m = sc::predict(model, policy, world, in).memory;
+      const tandem::MemoryReport m = sc::predict(model, policy, world, in).memory;
       std::printf("| %d | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", world, policy.name, mib(m.params),
                   mib(m.grads), mib(m.master_weights), mib(m.optimizer_state), mib(m.buckets), mib(m.total()));
     }

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // An analytical model of one optimizer step of tandem's data parallelism, per GPU, for a weak-scaling run
 // (fixed tokens per GPU per micro-step): compute from FLOPs, tandem's own kernels from the bytes they move,
-// collectives from nccl-tests' bus-bandwidth definitions, memory from docs/design.md's formulas. The buckets
-// and shards are tandem's own `Plan`, so every bucket size, padding and shard is what the library would use.
+// collectives from nccl-tests' bus-bandwidth definitions, memory from tandem's own estimator (estimate_memory, what
+// DataParallel::memory_report() reports). The buckets and shards are the plan DataParallel cuts with its default
+// options, so every bucket size, padding and shard is what the library would use.
 // docs/scaling.md states each input's source and what the model leaves out; tests/test_scaling_model.cpp
 // checks it against hand computations. Host-only, no CUDA.
 #pragma once
@@ -13,12 +14,18 @@
 #include <cstddef>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/plan.hpp"
+#include "tandem/core/tensor.hpp"
+#include "tandem/front/estimate.hpp"
+#include "tandem/front/options.hpp"
+#include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/sgd.hpp"
 #include "tandem/policy/gradient_sharded.hpp"
 #include "tandem/policy/optimizer_sharded.hpp"
 #include "tandem/policy/policy.hpp"
@@ -78,7 +85,10 @@ inline std::size_t shape_numel(const std::string& shape, const std::string& wher
 
 inline std::string join_shape(const std::vector<std::size_t>& dims) {
   std::string s;
-  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? "x" : "") + std::to_string(dims[i]);
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += 'x';  // appended apart: GCC 12's -Wrestrict misfires on ("x" + std::string) at -O3 (GCC PR 105329)
+    s += std::to_string(dims[i]);
+  }
   return s;
 }
 
@@ -166,6 +176,9 @@ struct PolicyTraits {
   const char* name = "";
   StateSharding state = StateSharding::replicated;
   GradientReduction reduction = GradientReduction::at_boundary;
+  friend constexpr bool operator==(const PolicyTraits& a, const PolicyTraits& b) {
+    return std::string_view(a.name) == b.name && a.state == b.state && a.reduction == b.reduction;
+  }
 };
 
 template <tandem::Policy P>
@@ -173,8 +186,38 @@ constexpr PolicyTraits traits_of() {
   return {P::name, P::state, P::reduction};
 }
 
-inline constexpr std::array<PolicyTraits, 3> policies = {traits_of<Replicated>(), traits_of<OptimizerSharded>(),
-                                                         traits_of<GradientSharded>()};
+template <tandem::Policy... Ps>
+struct PolicyList {
+  static constexpr std::array<PolicyTraits, sizeof...(Ps)> traits = {traits_of<Ps>()...};
+};
+
+/// The policies the model covers, in the tables' order: the one list behind `policies` and `with_policy`, so a
+/// fourth policy is one more type here.
+using Policies = PolicyList<Replicated, OptimizerSharded, GradientSharded>;
+
+inline constexpr auto policies = Policies::traits;
+
+namespace detail {
+
+template <class F, tandem::Policy P, tandem::Policy... Rest>
+decltype(auto) with_policy(const PolicyTraits& policy, F& f, PolicyList<P, Rest...>) {
+  if (policy == traits_of<P>()) return f.template operator()<P>();
+  if constexpr (sizeof...(Rest) > 0) {
+    return with_policy(policy, f, PolicyList<Rest...>{});
+  } else {
+    tandem::detail::fail(std::string("tandem::scaling: the policy traits named '") + policy.name +
+                         "' match none of tandem::scaling::Policies");
+  }
+}
+
+}  // namespace detail
+
+/// Calls `f.template operator()<P>()` for the policy type P of `Policies` whose traits `policy` are: the model's
+/// runtime traits mapped to the compile-time policy the library's templates take.
+template <class F>
+decltype(auto) with_policy(const PolicyTraits& policy, F&& f) {
+  return detail::with_policy(policy, f, Policies{});
+}
 
 // ---- Inputs ----------------------------------------------------------------------------------------------------
 
@@ -195,7 +238,7 @@ struct Inputs {
   double tokens_per_gpu = 16 * 1024;       ///< tokens per GPU per micro-step
   int accumulation_steps = 1;              ///< micro-steps per optimizer step
   DType param_dtype = DType::bf16;         ///< bf16 (fp32 master weights) or fp32
-  std::size_t optimizer_states = 2;        ///< AdamW: m and v
+  std::size_t optimizer_states = 2;        ///< 2: AdamW (m, v); 1: SGD with momentum; 0: plain SGD
 
   double kernel_bw() const {
     return kernel_bandwidth > 0.0 ? kernel_bandwidth : kernel_bandwidth_fraction * hbm_bandwidth;
@@ -224,19 +267,34 @@ inline void validate(const Inputs& in) {
   if (in.accumulation_steps < 1) tandem::detail::fail("tandem::scaling: Inputs::accumulation_steps must be >= 1");
   if (in.param_dtype != DType::bf16 && in.param_dtype != DType::fp32 && in.param_dtype != DType::fp16)
     tandem::detail::fail("tandem::scaling: Inputs::param_dtype must be bf16, fp16 or fp32");
+  if (in.optimizer_states > 2)
+    tandem::detail::fail("tandem::scaling: Inputs::optimizer_states is " + std::to_string(in.optimizer_states) +
+                         "; it must be 0 (SGD), 1 (SGD with momentum) or 2 (AdamW)");
 }
 
-/// tandem's own plan options for a world size and parameter element size (front/data_parallel.hpp): 25 MiB
-/// buckets, a 1 MiB first bucket, caps in fp32 gradient bytes, 16-byte tensor and 128-byte shard alignment.
-inline PlanOptions plan_options(int world, std::size_t param_bytes) {
-  PlanOptions o;
-  o.bucket_cap_bytes = std::size_t{25} << 20;
-  o.first_bucket_cap_bytes = std::size_t{1} << 20;
-  o.world_size = world;
-  o.bucket_element_bytes = 4;
-  o.alignment_elements = 16 / param_bytes;
-  o.shard_alignment_elements = 128 / param_bytes;
-  return o;
+/// Calls `f.template operator()<Opt>(options)` for the optimizer with `states` fp32 state arrays per element: AdamW
+/// (m, v) for 2, SGD with momentum 0.9 for 1, plain SGD for 0.
+template <class F>
+decltype(auto) with_optimizer(std::size_t states, F&& f) {
+  if (states == 2) return f.template operator()<AdamW>(AdamWOptions{});
+  if (states == 1) return f.template operator()<SGD>(SGDOptions{.momentum = 0.9f});
+  if (states == 0) return f.template operator()<SGD>(SGDOptions{});
+  tandem::detail::fail("tandem::scaling: Inputs::optimizer_states is " + std::to_string(states) +
+                       "; it must be 0 (SGD), 1 (SGD with momentum) or 2 (AdamW)");
+}
+
+/// The layout as the tensors DataParallel would be built from, all in the parameter dtype.
+inline std::vector<TensorSpec> tensor_specs(const ModelLayout& layout, DType dtype) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(layout.tensors.size());
+  for (const TensorEntry& t : layout.tensors) specs.push_back({t.name, t.numel, dtype});
+  return specs;
+}
+
+/// The plan DataParallel cuts for this layout at this world size with its default options (front/options.hpp):
+/// 25 MiB buckets, a 1 MiB first bucket, caps in fp32 gradient bytes, 16-byte tensor and 128-byte shard alignment.
+inline Plan plan_of(const ModelLayout& layout, int world, DType dtype) {
+  return tandem::detail::plan_for(Layout(tensor_specs(layout, dtype)), DataParallelOptions{}, world);
 }
 
 // ---- Collectives (nccl-tests, doc/PERFORMANCE.md) ------------------------------------------------------------
@@ -271,31 +329,20 @@ inline double exposed_after(const std::vector<double>& ready, const std::vector<
   return std::max(0.0, end - window);
 }
 
-// ---- Memory (docs/design.md, "Memory per rank", copy mode) ---------------------------------------------------
+// ---- Memory (tandem's estimator, copy mode) --------------------------------------------------------------------
 
-/// Bytes per GPU by category. Activations, workspace and the allocator's slack are not modelled.
-struct Memory {
-  double params = 0;           ///< the user's parameters: psi * p
-  double grads = 0;            ///< the user's gradients: psi * p
-  double master_weights = 0;   ///< fp32 master copies (16-bit parameters only): 4F or 4S
-  double optimizer_state = 0;  ///< 4kF or 4kS
-  double buckets = 0;          ///< pF + 4F, or pF + 4M + 4S under GradientSharded
-  double total() const { return params + grads + master_weights + optimizer_state + buckets; }
-};
-
-inline Memory memory_per_gpu(const Plan& plan, std::size_t psi, std::size_t p, std::size_t k,
-                             const PolicyTraits& policy) {
-  const double F = static_cast<double>(plan.total_size()), S = static_cast<double>(plan.total_shard_size()),
-               M = static_cast<double>(plan.max_bucket_size());
-  const double owned = policy.state == StateSharding::sharded ? S : F;
-  const bool every_micro_step = policy.reduction == GradientReduction::every_micro_step;
-  Memory m;
-  m.params = static_cast<double>(psi * p);
-  m.grads = static_cast<double>(psi * p);
-  m.master_weights = p == 4 ? 0.0 : 4.0 * owned;
-  m.optimizer_state = 4.0 * static_cast<double>(k) * owned;
-  m.buckets = static_cast<double>(p) * F + (every_micro_step ? 4.0 * M + 4.0 * S : 4.0 * F);
-  return m;
+/// Bytes per GPU by category: what DataParallel<P, Opt>::memory_report() reports on each rank when built from the
+/// user's buffers (Storage::user, copy mode), from tandem::estimate_memory; the model keeps no memory rule of its
+/// own. With F, S, M the plan's total, shard and largest bucket sizes and k the optimizer's states: params and grads
+/// psi*p, master weights 4F or 4S (16-bit parameters only), optimizer state 4kF or 4kS, buckets pF + 4F or, under
+/// GradientSharded, pF + 4M + 4S. Activations, workspace and the allocator's slack are not in it.
+inline MemoryReport memory_per_gpu(const ModelLayout& layout, const PolicyTraits& policy, int world, const Inputs& in) {
+  const std::vector<TensorSpec> specs = tensor_specs(layout, in.param_dtype);
+  return with_policy(policy, [&]<tandem::Policy P>() {
+    return with_optimizer(in.optimizer_states, [&]<tandem::Optimizer Opt>(const typename Opt::Options& options) {
+      return estimate_memory<P, Opt>(specs, world, Storage::user, options);
+    });
+  });
 }
 
 // ---- tandem's kernels ------------------------------------------------------------------------------------------
@@ -346,7 +393,7 @@ struct Prediction {
   double exposed_with_overlap = 0;        ///< gradient communication past the backward, plus the all-gather
   double efficiency_without_overlap = 1;  ///< step time at world 1 / step time (weak scaling)
   double efficiency_with_overlap = 1;
-  Memory memory;
+  MemoryReport memory;
   KernelBytes bytes;
 
   double comm() const { return grad_comm + param_comm; }
@@ -360,13 +407,13 @@ namespace detail {
 inline Prediction predict_step(const ModelLayout& layout, const PolicyTraits& policy, int world, const Inputs& in) {
   validate(in);
   const std::size_t psi = layout.total_numel(), p = in.param_bytes();
-  const Plan plan(layout.numels(), plan_options(world, p));
+  const Plan plan = plan_of(layout, world, in.param_dtype);
   Prediction r;
   r.model = layout.name;
   r.policy = policy;
   r.world = world;
   r.buckets = plan.num_buckets();
-  r.memory = memory_per_gpu(plan, psi, p, in.optimizer_states, policy);
+  r.memory = memory_per_gpu(layout, policy, world, in);
   r.bytes = kernel_bytes(plan, psi, p, in.optimizer_states, policy, in.accumulation_steps);
   r.kernels = r.bytes.total() / in.kernel_bw();
 
