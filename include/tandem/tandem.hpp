@@ -14,6 +14,7 @@
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/plan.hpp"
 #include "tandem/core/stream.hpp"
 #include "tandem/core/tensor.hpp"

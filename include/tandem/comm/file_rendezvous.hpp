@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 
 namespace tandem {
 
@@ -49,11 +50,7 @@ namespace detail {
 inline constexpr char kRendezvousMagic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'R', 'V'};
 inline constexpr std::uint32_t kRendezvousVersion = 1;
 
-inline std::uint64_t rendezvous_checksum(const unsigned char* p, std::size_t n) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
+inline std::uint64_t rendezvous_checksum(const unsigned char* p, std::size_t n) { return fnv1a(p, n); }
 
 template <class T>
 void append_bytes(std::vector<unsigned char>& out, const T& v) {

@@ -74,6 +74,7 @@
 #include "tandem/comm/local_group.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/stream.hpp"
 
 /// Evaluates an MPI call once; unless it returns MPI_SUCCESS, throws tandem::mpi_error with the status, MPI's text
@@ -175,11 +176,6 @@ inline void copy_text(char* dst, std::size_t capacity, std::string_view text) {
 }
 
 inline std::string text_of(const char* src, std::size_t capacity) { return std::string(src, strnlen(src, capacity)); }
-
-inline std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 0xcbf29ce484222325ull) {
-  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
-  return h;
-}
 
 // --- Whether a process on this host still exists ---------------------------------------------------------------------
 

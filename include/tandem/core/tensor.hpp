@@ -10,6 +10,7 @@
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 
 namespace tandem {
 
@@ -70,11 +71,8 @@ class Layout {
 
   /// A 64-bit FNV-1a hash of every name, size and dtype in order; equal layouts have equal fingerprints.
   std::uint64_t fingerprint() const {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    auto mix = [&h](const void* data, std::size_t n) {
-      const auto* p = static_cast<const unsigned char*>(data);
-      for (std::size_t k = 0; k < n; ++k) h = (h ^ p[k]) * 0x100000001b3ull;
-    };
+    std::uint64_t h = detail::fnv1a_basis;
+    auto mix = [&h](const void* data, std::size_t n) { h = detail::fnv1a(data, n, h); };
     for (const TensorSpec& t : tensors_) {
       const std::uint64_t n = t.numel, d = static_cast<std::uint64_t>(t.dtype), len = t.name.size();
       mix(&len, sizeof len);

@@ -16,6 +16,7 @@
 #include <initializer_list>
 
 #include "tandem/core/config.hpp"
+#include "tandem/core/hash.hpp"
 
 namespace tandem {
 
@@ -42,11 +43,14 @@ namespace detail {
 
 /// FNV-1a over the bit patterns of an optimizer's option values: equal options, equal fingerprints.
 inline std::uint64_t fingerprint_values(std::initializer_list<float> values) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
+  std::uint64_t h = fnv1a_basis;
   for (float v : values) {
     std::uint32_t bits;
     std::memcpy(&bits, &v, sizeof bits);
-    for (int k = 0; k < 4; ++k) h = (h ^ ((bits >> (8 * k)) & 0xffu)) * 0x100000001b3ull;
+    for (int k = 0; k < 4; ++k) {  // little-endian byte order on every host
+      const auto byte = static_cast<unsigned char>((bits >> (8 * k)) & 0xffu);
+      h = fnv1a(&byte, 1, h);
+    }
   }
   return h;
 }
