@@ -297,3 +297,27 @@ TEST_CASE("clipping follows torch's clip_grad_norm_: min(1, max / (norm + 1e-6))
     });
   }
 }
+
+TEST_CASE("all_reduce_host sums or averages host values across ranks, in place") {
+  for (int world = 1; world <= 4; ++world) {
+    CAPTURE(world);
+    tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+      std::vector<float> w(8, 1.0f), g(8, 0.0f);
+      test::DataParallel<tandem::OptimizerSharded, tandem::SGD> dp(comm,
+                                                                   {{"w", w.data(), g.data(), 8, tandem::DType::fp32}});
+      const double r = comm.rank();
+      double values[3] = {r + 1.0, 0.1 * r, -1.0};
+      dp.all_reduce_host(values);
+      const double n = world;
+      CHECK(values[0] == n * (n + 1) / 2);
+      double tenths = 0;
+      for (int q = 0; q < world; ++q) tenths += 0.1 * q;  // rank order, as LocalGroup adds
+      CHECK(values[1] == tenths);
+      CHECK(values[2] == -n);
+      double loss = 2.0 * r;
+      dp.all_reduce_host({&loss, 1}, tandem::ReduceOp::avg);
+      CHECK(loss == doctest::Approx(n - 1));
+      dp.all_reduce_host({});  // nothing to reduce: no collective
+    });
+  }
+}

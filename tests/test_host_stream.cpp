@@ -320,6 +320,69 @@ test::Params train_on_user_stream(int world, int accumulation) {
   return result;
 }
 
+/// The same with owned storage: the user's stream reads the parameters from the views, runs backward and adds the
+/// gradients into each bucket's GradientBucket views (gradient_buffers reused buffers under GradientSharded), all
+/// enqueued without waiting; tandem must order its reads, reductions and the buffers' zeroing around that work.
+template <class Policy, class Backend>
+test::Params train_owned_on_user_stream(int world, int accumulation, int buffers) {
+  const std::vector<int> dims = {13, 37, 29, 23, 7};
+  const int global_batch = 12, steps = 6;
+  const mlp::Dataset data(global_batch * accumulation * steps, dims.front(), dims.back(), 7);
+  test::Params result;
+  std::mutex m;
+  tandem::LocalGroup group(world);
+  group.run([&](tandem::LocalComm& comm) {
+    constexpr bool streamed = !std::is_same_v<Backend, tandem::HostBackend>;
+    tandem::HostStream user({.max_delay = 300us, .seed = 7u + static_cast<std::uint64_t>(comm.rank())});
+    const tandem::Stream user_stream = streamed ? user.stream() : tandem::Stream{};
+    mlp::Mlp<float> model(dims, 42 + static_cast<std::uint64_t>(comm.rank()) * 1000);
+    std::vector<tandem::TensorSpec> specs;
+    for (const auto& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
+    tandem::DataParallel<Policy, tandem::AdamW, Backend> dp(comm, specs, {.lr = 3e-3f},
+                                                            {.bucket_cap_bytes = 1024,
+                                                             .first_bucket_cap_bytes = 512,
+                                                             .accumulation_steps = accumulation,
+                                                             .max_grad_norm = 1.0f,
+                                                             .gradient_buffers = buffers,
+                                                             .stream = user_stream},
+                                                            Backend{});
+    const tandem::StreamHostBackend enqueue;
+    auto on_user = [&](auto f) { enqueue.launch(1, Task{f}, user_stream); };
+    for (std::size_t i = 0; i < specs.size(); ++i)
+      on_user([&model, i, view = dp.template param_view<float>(i)] {
+        std::copy(model.params()[i].begin(), model.params()[i].end(), view);
+      });
+    dp.broadcast_parameters(world - 1);
+    const int local = global_batch / world;
+    for (int step = 0; step < steps; ++step)
+      for (int micro = 0; micro < accumulation; ++micro) {
+        const int begin = (step * accumulation + micro) * global_batch + comm.rank() * local;
+        for (std::size_t i = 0; i < specs.size(); ++i)
+          on_user([&model, i, view = dp.template param_view<float>(i)] {
+            std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
+          });
+        on_user([&model, &data, begin, local] { model.forward_backward(data, begin, local); });
+        for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+          auto bucket = dp.gradients(b);
+          for (std::size_t i : bucket.tensors())
+            on_user([&model, i, g = bucket.grad(i)] {
+              for (std::size_t e = 0; e < model.grads()[i].size(); ++e) g[e] += model.grads()[i][e];
+            });
+        }
+        dp.step();
+      }
+    user.synchronize();
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        const float* p = dp.template param_view<float>(i);
+        result.emplace_back(p, p + specs[i].numel);
+      }
+    }
+  });
+  return result;
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("training with backward on the user's stream equals HostBackend bit for bit", Policy,
@@ -332,4 +395,20 @@ TEST_CASE_TEMPLATE("training with backward on the user's stream equals HostBacke
       const test::Params streamed = train_on_user_stream<Policy, test::DelayedStreamBackend>(world, accumulation);
       CHECK(test::bitwise_equal(streamed, reference));
     }
+}
+
+TEST_CASE_TEMPLATE("owned storage with backward writing GradientBuckets on the user's stream equals HostBackend",
+                   Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  for (int world : {1, 3})
+    for (int accumulation : {1, 2})
+      for (int buffers : {1, 2}) {
+        CAPTURE(world);
+        CAPTURE(accumulation);
+        CAPTURE(buffers);
+        const test::Params reference =
+            train_owned_on_user_stream<Policy, tandem::HostBackend>(world, accumulation, buffers);
+        const test::Params streamed =
+            train_owned_on_user_stream<Policy, test::DelayedStreamBackend>(world, accumulation, buffers);
+        CHECK(test::bitwise_equal(streamed, reference));
+      }
 }

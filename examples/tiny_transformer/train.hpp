@@ -107,20 +107,6 @@ inline void validate(const TrainConfig& cfg, const Task& task, int world) {
   if (task.vocab > cfg.model.vocab) throw std::invalid_argument("the task's vocabulary exceeds the model's");
 }
 
-/// comm.all_reduce of `n` doubles held on the host, through the compute's memory (NCCL reduces device memory).
-template <class Comm, class Compute>
-void all_reduce_host(Comm& comm, Compute& compute, typename Compute::template Array<double>& scratch, double* values,
-                     int n, tandem::ReduceOp op) {
-  if constexpr (Compute::host_memory) {
-    comm.all_reduce(values, values, std::size_t(n), tandem::DType::fp64, op, compute.stream());
-  } else {
-    if (scratch.size() < std::size_t(n)) throw std::logic_error("all_reduce_host: scratch too small");
-    compute.to_device(scratch.data(), values, std::size_t(n) * sizeof(double));
-    comm.all_reduce(scratch.data(), scratch.data(), std::size_t(n), tandem::DType::fp64, op, compute.stream());
-    compute.to_host(values, scratch.data(), std::size_t(n) * sizeof(double));
-  }
-}
-
 /// One rank's training: every rank of `comm` calls it with the same arguments. The model computes on `compute`
 /// (HostCompute, or CudaCompute with an Nccl communicator).
 template <class Policy, class Comm, class Compute = HostCompute>
@@ -151,8 +137,6 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   };
 
   // Everything allocated before the first collective (on GPUs, allocating between collectives can deadlock).
-  typename Compute::template Array<double> scratch;
-  dev.resize(scratch, 4);
   const int local = cfg.batch / cfg.accumulation / world;
   model.reserve(std::max(local, cfg.eval_batch), len);
 
@@ -192,7 +176,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
         dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.gradients().data(), grads16.data()});
       dp.step();  // tandem: average the gradients over ranks (and micro-steps), update, regather
     }
-    all_reduce_host(comm, dev, scratch, &loss, 1, tandem::ReduceOp::avg);  // the global batch's mean
+    dp.all_reduce_host({&loss, 1}, tandem::ReduceOp::avg);  // the global batch's mean
     if (step >= cfg.steps - window) final_loss += loss / window;
     if (rank == 0 && progress)
       progress(step + 1, cfg.steps, loss,
@@ -222,7 +206,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     }
     sums[3] += b;
   }
-  all_reduce_host(comm, dev, scratch, sums, 4, tandem::ReduceOp::sum);
+  dp.all_reduce_host(sums, tandem::ReduceOp::sum);
   result.eval_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
   result.eval_accuracy =
       task.whole_example_accuracy ? sums[2] / std::max(1.0, sums[3]) : sums[2] / std::max(1.0, sums[1]);

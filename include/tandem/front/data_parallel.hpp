@@ -38,6 +38,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -48,8 +49,11 @@
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/plan.hpp"
 #include "tandem/core/tensor.hpp"
+#include "tandem/front/detail/agreement.hpp"
+#include "tandem/front/detail/slot_pool.hpp"
 #include "tandem/front/options.hpp"
 #include "tandem/kernels/optimizer.hpp"
 #include "tandem/kernels/pack.hpp"
@@ -248,6 +252,17 @@ class DataParallel {
     return available;
   }
 
+  /// Reduces host values (a loss, accuracy counts) across ranks in place: every rank receives the sum over ranks or,
+  /// with ReduceOp::avg, their mean, added in rank order under LocalGroup and Mpi. Collective: every rank passes as
+  /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream.
+  TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
+    if (values.empty()) return;
+    Buffer<double> staging = backend_.template allocate<double>(values.size());
+    backend_.copy(staging.data(), values.data(), values.size_bytes(), work_stream());
+    comm_.all_reduce(staging.data(), staging.data(), values.size(), DType::fp64, op, work_stream());
+    backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
+  }
+
   /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) to `path`,
   /// in a layout independent of the world size and policy (core/checkpoint.hpp). Collective: every rank calls
   /// it; rank 0 writes the file atomically. Call it between optimizer steps, not inside an accumulation window.
@@ -412,12 +427,11 @@ class DataParallel {
                    "): the bucket's gradients are already complete in this micro-step (released, or every tensor "
                    "announced by grad_ready); open each bucket at most once per micro-step");
     if (grad_flat_.data() == nullptr) {
-      const std::size_t slot = acquire_slot(b);
+      const std::size_t slot = slots_.acquire(b, next_bucket_);
       try {
         backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
       } catch (...) {
-        slot_bucket_[slot] = no_index;
-        bucket_slot_[b] = no_index;
+        slots_.release(b);
         throw;
       }
     }
@@ -607,8 +621,7 @@ class DataParallel {
     std::fill(ready_.begin(), ready_.end(), 0);
     std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
     next_bucket_ = 0;
-    std::fill(slot_bucket_.begin(), slot_bucket_.end(), no_index);
-    std::fill(bucket_slot_.begin(), bucket_slot_.end(), no_index);
+    slots_.clear();
     broken_.clear();
     clear_owned_gradients();
     if (grad_slots_.data() != nullptr) backend_.zero(grad_slots_.data(), grad_slots_.bytes(), work_stream());
@@ -618,40 +631,9 @@ class DataParallel {
   /// Bucket b's gradients in this micro-step: its part of grad_flat, or the slot it holds.
   float* bucket_grads(std::size_t b) const {
     if (grad_flat_.data() != nullptr) return grad_flat_.data() + plan_.bucket(b).offset;
-    return grad_slots_.data() + bucket_slot_[b] * slot_size_;
+    return grad_slots_.data() + slots_.slot_of(b) * slot_size_;
   }
 
-  /// Gives bucket b a free gradient slot (which is zero: every slot is zeroed after its bucket is reduced). One slot
-  /// is always kept for the next bucket to be reduced, so that the buckets can always be reduced in order: opening a
-  /// later bucket may not take the last one while the next bucket has none.
-  std::size_t acquire_slot(std::size_t b) {
-    const auto free = static_cast<std::size_t>(std::count(slot_bucket_.begin(), slot_bucket_.end(), no_index));
-    if (b != next_bucket_ && bucket_slot_[next_bucket_] == no_index && free == 1)
-      detail::fail("tandem: gradients(" + std::to_string(b) + "): bucket " + std::to_string(b) +
-                   " would take the last free gradient buffer, which bucket " + std::to_string(next_bucket_) +
-                   " needs: buckets are reduced in bucket order and it is next. Open bucket " +
-                   std::to_string(next_bucket_) +
-                   " first (open and release it without writing if backward leaves it "
-                   "zero), or raise DataParallelOptions::gradient_buffers (now " +
-                   std::to_string(slot_bucket_.size()) + ")");
-    for (std::size_t s = 0; s < slot_bucket_.size(); ++s)
-      if (slot_bucket_[s] == no_index) {
-        slot_bucket_[s] = b;
-        bucket_slot_[b] = s;
-        return s;
-      }
-    std::string held;
-    for (std::size_t h : slot_bucket_) held += (held.empty() ? "" : ", ") + std::to_string(h);
-    detail::fail("tandem: bucket " + std::to_string(b) + " needs a gradient buffer but all " +
-                 std::to_string(slot_bucket_.size()) + " hold buckets (" + held +
-                 ") that are open or wait for an earlier bucket (buckets are reduced in bucket order, from " +
-                 std::to_string(next_bucket_) +
-                 " on); release or open the buckets in bucket order, or raise "
-                 "DataParallelOptions::gradient_buffers");
-  }
-
-  /// Issues the buckets, in bucket order, from next_bucket_ on: while each is complete (all its tensors
-  /// grad_ready), or all of them when `all`.
   /// A bucket whose reduction fails to issue leaves the ranks' collective sequences apart: the micro-step is over.
   void issue_ready_buckets(const StreamScope& scope, bool all) {
     for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_) {
@@ -684,18 +666,17 @@ class DataParallel {
         for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
           backend_.zero(send + gap.begin, gap.size() * sizeof(float), work_stream());
       } else {
-        if (bucket_slot_[b] == no_index) acquire_slot(b);  // never opened in this micro-step: zero gradients
+        if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
         send = bucket_grads(b);
       }
       P::reduce_gradients(comm_, view(b, send));
       const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
       cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
       if (storage_ == Storage::owned) {  // the slot is zero again, and free for the next bucket
-        const std::size_t slot = bucket_slot_[b];
+        const std::size_t slot = slots_.slot_of(b);
         backend_.zero(send, bucket.size * sizeof(float), work_stream());
         backend_.record(slot_events_[slot], work_stream());
-        slot_bucket_[slot] = no_index;
-        bucket_slot_[b] = no_index;
+        slots_.release(b);
       }
     } else {
       float* grads = grad_flat_.data() + bucket.offset;
@@ -704,18 +685,10 @@ class DataParallel {
     }
   }
 
-  /// Every rank's `words` words (mine first), gathered through backend memory (which NCCL needs): rank r's words
-  /// at [r * words, (r + 1) * words) of the result. Waits for the work stream.
-  TANDEM_COLD std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
-    const std::size_t words = mine.size();
-    Buffer<std::uint64_t> staging =
-        backend_.template allocate<std::uint64_t>(words * (static_cast<std::size_t>(world_) + 1));
-    backend_.copy(staging.data(), mine.data(), words * sizeof(std::uint64_t), work_stream());
-    comm_.all_gather(staging.data(), staging.data() + words, words, DType::fp64, work_stream());
-    std::vector<std::uint64_t> all(words * static_cast<std::size_t>(world_));
-    backend_.read(all.data(), staging.data() + words, all.size() * sizeof(std::uint64_t), work_stream());
-    return all;
+  std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
+    return detail::all_gather_words(comm_, backend_, mine);
   }
+  void all_ranks_succeed(const std::string& problem) { detail::all_ranks_succeed(comm_, backend_, problem); }
 
   // ---- construction -------------------------------------------------------------------------------------
 
@@ -795,22 +768,6 @@ class DataParallel {
                      " buffer; every parameter and gradient needs its own memory");
   }
 
-  /// Every rank passes its own problem (empty: none); every rank throws if any rank had one. Collective.
-  TANDEM_COLD void all_ranks_succeed(const std::string& problem) {
-    constexpr std::size_t words = 64;
-    std::vector<std::uint64_t> mine(words, 0);
-    mine[0] = problem.empty() ? 0 : 1;
-    std::memcpy(&mine[1], problem.data(), std::min((words - 1) * sizeof(std::uint64_t) - 1, problem.size()));
-    const std::vector<std::uint64_t> all = all_gather_words(mine);
-    if (!problem.empty()) throw error(problem);
-    for (int r = 0; r < world_; ++r) {
-      const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
-      if (w[0] != 0)
-        detail::fail("tandem: rank " + std::to_string(r) +
-                     " failed: " + std::string(reinterpret_cast<const char*>(&w[1])));
-    }
-  }
-
   /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
   TANDEM_COLD std::vector<float> gather_owned(const float* owned) {
     Buffer<float> gathered = backend_.template allocate<float>(plan_.total_size());
@@ -855,8 +812,8 @@ class DataParallel {
     mine[0] = layout_.fingerprint();
     mine[1] = layout_.size();
     mine[2] = layout_.total_numel();
-    mine[3] = text_hash(P::name);
-    mine[4] = text_hash(Opt::name) ^ Opt::fingerprint(optimizer_);
+    mine[3] = detail::fnv1a(P::name);
+    mine[4] = detail::fnv1a(Opt::name) ^ Opt::fingerprint(optimizer_);
     mine[5] = static_cast<std::uint64_t>(options_.accumulation_steps);
     mine[6] = options_.bucket_cap_bytes;
     mine[7] = options_.first_bucket_cap_bytes;
@@ -884,12 +841,6 @@ class DataParallel {
     }
   }
 
-  static std::uint64_t text_hash(const char* s) {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    for (; *s; ++s) h = (h ^ static_cast<unsigned char>(*s)) * 0x100000001b3ull;
-    return h;
-  }
-
   std::size_t owned_total() const {
     return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
   }
@@ -914,8 +865,7 @@ class DataParallel {
     zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
     if (need.grad_shard != 0) grad_shard_ = backend_.template allocate<float>(need.grad_shard);
     slot_size_ = need.grad_slot_size;
-    slot_bucket_.assign(need.grad_slots, no_index);
-    bucket_slot_.assign(plan_.num_buckets(), no_index);
+    slots_ = detail::SlotPool(need.grad_slots, plan_.num_buckets());
     for (std::size_t k = 0; k < need.grad_slots; ++k) slot_events_.push_back(backend_.make_event());
     bucket_open_.assign(plan_.num_buckets(), 0);
   }
@@ -1089,7 +1039,6 @@ class DataParallel {
 
   template <class T>
   using Buffer = typename Backend::template Buffer<T>;
-  static constexpr std::size_t no_index = static_cast<std::size_t>(-1);
 
   Comm& comm_;
   Backend backend_;
@@ -1113,8 +1062,7 @@ class DataParallel {
   Buffer<float> grad_slots_;
   Buffer<float> grad_shard_;
   std::size_t slot_size_ = 0;                         ///< elements per gradient slot
-  std::vector<std::size_t> slot_bucket_;              ///< the bucket slot s holds in this micro-step, or no_index
-  std::vector<std::size_t> bucket_slot_;              ///< the slot bucket b holds, or no_index
+  detail::SlotPool slots_;                            ///< which gradient slot each bucket holds in this micro-step
   std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again
   std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
   std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
