@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
@@ -320,4 +321,40 @@ TEST_CASE("all_reduce_host sums or averages host values across ranks, in place")
       dp.all_reduce_host({});  // nothing to reduce: no collective
     });
   }
+}
+
+TEST_CASE("a DataParallel moved out of a factory and into a vector trains like one never moved") {
+  auto train = [](bool move) {
+    Params out;
+    std::mutex m;
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, init_seed);
+      using DP = test::DataParallel<tandem::OptimizerSharded, tandem::AdamW>;
+      auto make = [&] { return DP(comm, model.tensors(), adamw_options, {.bucket_cap_bytes = 2048}); };
+      std::vector<DP> kept;
+      std::optional<DP> direct;
+      if (move) {
+        DP built = make();
+        built.broadcast_parameters();
+        kept.push_back(std::move(built));
+        CHECK_THROWS_WITH_AS(built.step(), doctest::Contains("on a DataParallel that has been moved from"),
+                             tandem::error);
+      } else {
+        direct.emplace(comm, model.tensors(), adamw_options, tandem::DataParallelOptions{.bucket_cap_bytes = 2048});
+        direct->broadcast_parameters();
+      }
+      DP& dp = move ? kept.front() : *direct;
+      const int local = global_batch / 2;
+      for (int step = 0; step < 10; ++step) {
+        model.forward_backward(dataset(), step * global_batch + comm.rank() * local, local);
+        dp.step();
+      }
+      if (comm.rank() == 0) {
+        std::lock_guard lock(m);
+        out = as_float(model.params());
+      }
+    });
+    return out;
+  };
+  CHECK(bitwise_equal(train(true), train(false)));
 }

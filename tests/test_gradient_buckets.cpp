@@ -106,10 +106,7 @@ Params train(int world, int accumulation, int buffers, Order order) {
     }
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        const float* p = dp.template param_view<float>(i);
-        result.emplace_back(p, p + specs[i].numel);
-      }
+      result = test::param_views(dp);
     }
   });
   return result;
@@ -296,10 +293,7 @@ Params continue_from(const std::string& path, int steps, bool dirty_window, bool
     }
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        const float* p = dp.template param_view<float>(i);
-        result.emplace_back(p, p + specs[i].numel);
-      }
+      result = test::param_views(dp);
     }
   });
   return result;
@@ -368,5 +362,20 @@ TEST_CASE("a bucket whose reduction fails to issue ends the micro-step; discard_
     dp.discard_gradients();
     CHECK(dp.step().updated);  // a whole clean micro-step: every bucket once
     CHECK(comm.calls == 2 + static_cast<int>(dp.num_buckets()));
+  });
+}
+
+TEST_CASE("a GradientBucket used after its DataParallel was moved says so") {
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs_of(model), {},
+                                                                  {.bucket_cap_bytes = 1024});
+    dp.broadcast_parameters();
+    auto bucket = dp.gradients(0);
+    const std::size_t first = bucket.tensors().front();
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> moved(std::move(dp));
+    CHECK(message_of([&] { (void)bucket.grad(first); }).find("used after its DataParallel was moved") !=
+          std::string::npos);
+    CHECK(message_of([&] { moved.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
   });
 }

@@ -374,10 +374,7 @@ test::Params train_owned_on_user_stream(int world, int accumulation, int buffers
     user.synchronize();
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        const float* p = dp.template param_view<float>(i);
-        result.emplace_back(p, p + specs[i].numel);
-      }
+      result = test::param_views(dp);
     }
   });
   return result;

@@ -12,6 +12,17 @@ namespace test {
 
 using Params = std::vector<std::vector<float>>;
 
+/// The fp32 parameters of a DataParallel with owned storage, read through its views.
+template <class DataParallel>
+Params param_views(const DataParallel& dp) {
+  Params out;
+  for (std::size_t i = 0; i < dp.layout().size(); ++i) {
+    const float* p = dp.template param_view<float>(i);
+    out.emplace_back(p, p + dp.layout()[i].numel);
+  }
+  return out;
+}
+
 template <class T>
 Params as_float(const std::vector<std::vector<T>>& p) {
   Params out(p.size());

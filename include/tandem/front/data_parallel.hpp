@@ -113,12 +113,18 @@ class DataParallel {
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
+  /// Movable (construct it in a factory, keep it in a container): the buffers, tables and queued work move with it;
+  /// the moved-from object may only be destroyed. Not while a GradientBucket is open: the handle keeps referring to
+  /// the moved-from object and says so when used. Not assignable (it refers to its communicator).
+  DataParallel(DataParallel&&) = default;
+  DataParallel& operator=(DataParallel&&) = delete;
 
   /// The buffers are freed in order on the work stream (cudaFreeAsync on CUDA), after it has waited for everything
   /// issued so far on the user's stream, which may still read the views or the parameters tandem wrote; and the user's
   /// stream waits for the work stream, so that what it does next (free or overwrite the gradients a pack still reads,
   /// say) comes after tandem's queued work.
   ~DataParallel() {
+    if (!live_.yes) return;  // moved from: nothing of its own is left
     for (std::size_t b = 0; b < bucket_open_.size(); ++b)
       if (bucket_open_[b])
         std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle\n", b);
@@ -453,7 +459,7 @@ class DataParallel {
   /// Bucket b's gradient views for one micro-step's backward, from gradients(b). Move-only. Releasing it (release(),
   /// or its destructor) announces the bucket's tensors as grad_ready; the views are then no longer the user's to
   /// write. Destroyed by an exception, it announces nothing, and the DataParallel refuses to go on with the
-  /// micro-step (its gradients are incomplete) until load_checkpoint.
+  /// micro-step (its gradients are incomplete) until discard_gradients() or load_checkpoint.
   class GradientBucket {
    public:
     GradientBucket(GradientBucket&& o) noexcept
@@ -461,6 +467,10 @@ class DataParallel {
     GradientBucket& operator=(GradientBucket&&) = delete;
     ~GradientBucket() {
       if (dp_ == nullptr) return;
+      if (!dp_->live_.yes) {
+        std::fprintf(stderr, "tandem: bucket %zu's GradientBucket outlived the move of its DataParallel\n", bucket_);
+        return;
+      }
       if (std::uncaught_exceptions() > exceptions_) {
         dp_->abandon_bucket(bucket_);
         return;
@@ -500,6 +510,9 @@ class DataParallel {
     GradientBucket(DataParallel& dp, std::size_t b) : dp_(&dp), bucket_(b), exceptions_(std::uncaught_exceptions()) {}
     DataParallel& dp() const {
       if (dp_ == nullptr) detail::fail("tandem: GradientBucket used after release() (or after being moved from)");
+      if (!dp_->live_.yes)
+        detail::fail("tandem: GradientBucket of bucket " + std::to_string(bucket_) +
+                     " used after its DataParallel was moved; release buckets before moving a DataParallel");
       return *dp_;
     }
     DataParallel* dp_;
@@ -559,6 +572,7 @@ class DataParallel {
   };
 
   void check_stepping(const char* what) const {
+    if (!live_.yes) detail::fail(std::string("tandem: ") + what + " on a DataParallel that has been moved from");
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
                    "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
@@ -599,7 +613,8 @@ class DataParallel {
   }
 
   /// A GradientBucket destroyed by an exception: its gradients may be half written, so this micro-step cannot end
-  /// correctly. Nothing is issued; later calls say why they cannot go on until load_checkpoint resets the window.
+  /// correctly. Nothing is issued; later calls say why they cannot go on until discard_gradients() or load_checkpoint
+  /// resets the window.
   void abandon_bucket(std::size_t b) noexcept {
     bucket_open_[b] = 0;
     broken_ = "bucket " + std::to_string(b) +
@@ -614,8 +629,8 @@ class DataParallel {
       backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
   }
 
-  /// Starts a clean accumulation window (load_checkpoint): no micro-step taken, no bucket announced, open or holding a
-  /// gradient slot, and every gradient buffer zero.
+  /// Starts a clean accumulation window (load_checkpoint, discard_gradients): no micro-step taken, no bucket announced,
+  /// open or holding a gradient slot, and every gradient buffer zero.
   void reset_window() {
     micro_ = 0;
     std::fill(ready_.begin(), ready_.end(), 0);
@@ -836,13 +851,8 @@ class DataParallel {
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
                      "bucket caps, storage, world size, max_grad_norm, non_finite or gradient_buffers); every rank "
-                     "must use the same "
-                     "configuration");
+                     "must use the same configuration");
     }
-  }
-
-  std::size_t owned_total() const {
-    return P::state == StateSharding::replicated ? plan_.total_size() : plan_.total_shard_size();
   }
 
   BufferInputs buffer_inputs() const { return detail::buffer_inputs(plan_, pdtype_, storage_, options_); }
@@ -1077,6 +1087,13 @@ class DataParallel {
   std::uint64_t step_ = 0;
   std::uint64_t skipped_ = 0;
   bool synced_ = false;
+  /// False once moved from (the defaulted move constructor moves it last, like every member).
+  struct Live {
+    bool yes = true;
+    Live() = default;
+    Live(Live&& o) noexcept : yes(std::exchange(o.yes, false)) {}
+    Live& operator=(Live&&) = delete;
+  } live_;
 };
 
 }  // namespace tandem
