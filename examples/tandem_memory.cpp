@@ -27,6 +27,7 @@
 #include "tandem/kernels/sgd.hpp"
 #include "tandem/policy/gradient_sharded.hpp"
 #include "tandem/policy/optimizer_sharded.hpp"
+#include "tandem/policy/parameter_sharded.hpp"
 #include "tandem/policy/policy.hpp"
 #include "tandem/policy/replicated.hpp"
 
@@ -64,6 +65,9 @@ std::string usage() {
          ")\n"
          "  --gradient-buffers K       GradientSharded with owned storage: reused bucket gradient buffers (default " +
          std::to_string(d.gradient_buffers) +
+         ")\n"
+         "  --parameter-buffers K      ParameterSharded: reused bucket buffers parameters are gathered into (default " +
+         std::to_string(d.parameter_buffers) +
          ")\n"
          "  --storage user|owned|both  user: DataParallel over your buffers (TensorRef); owned: over TensorSpecs,\n"
          "                             tandem holds the storage (default both)\n"
@@ -114,9 +118,16 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  const std::vector<std::string> flags = {
-      "--params",           "--layout", "--world", "--dtype", "--optimizer", "--bucket-cap-mb", "--first-bucket-cap-mb",
-      "--gradient-buffers", "--storage"};
+  const std::vector<std::string> flags = {"--params",
+                                          "--layout",
+                                          "--world",
+                                          "--dtype",
+                                          "--optimizer",
+                                          "--bucket-cap-mb",
+                                          "--first-bucket-cap-mb",
+                                          "--gradient-buffers",
+                                          "--parameter-buffers",
+                                          "--storage"};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -165,6 +176,9 @@ Args parse(int argc, char** argv) {
       a.options.first_bucket_cap_bytes = parse_mib(flag, value);
     } else if (flag == "--gradient-buffers") {
       a.options.gradient_buffers = static_cast<int>(parse_count(
+          flag, value, 1, static_cast<std::size_t>(std::numeric_limits<int>::max()), "a number of buffers >= 1"));
+    } else if (flag == "--parameter-buffers") {
+      a.options.parameter_buffers = static_cast<int>(parse_count(
           flag, value, 1, static_cast<std::size_t>(std::numeric_limits<int>::max()), "a number of buffers >= 1"));
     } else if (flag == "--storage") {
       if (value == "user")
@@ -220,6 +234,9 @@ template <tandem::Policy P, tandem::Optimizer Opt>
 void add(Table& t, const Setup& s, const typename Opt::Options& optimizer, PaperForm form) {
   t.forms.emplace_back(P::name, form);
   for (tandem::Storage storage : s.storages) {
+    // A policy that shards the parameters has no full copy to keep in the user's buffers: owned storage only.
+    if (tandem::parameter_sharding_of<P> == tandem::ParameterSharding::sharded && storage == tandem::Storage::user)
+      continue;
     const tandem::MemoryReport r = tandem::estimate_memory<P, Opt>(s.tensors, s.world, storage, optimizer, s.options);
     std::optional<double> paper;
     if (s.paper_applies) paper = form.bytes(static_cast<double>(s.psi), static_cast<double>(s.world));
@@ -236,7 +253,8 @@ Table table(const Setup& s, const typename Opt::Options& o) {
       t, s, o, {"ZeRO-1", "4Psi + K Psi/N", [](double p, double n) { return 4 * p + zero_k * p / n; }});
   add<tandem::GradientSharded, Opt>(
       t, s, o, {"ZeRO-2", "2Psi + (2+K) Psi/N", [](double p, double n) { return 2 * p + (2 + zero_k) * p / n; }});
-  // ZeRO-3, when tandem::ParameterSharded exists: {"ZeRO-3", "(4+K) Psi/N", (4 + zero_k) * p / n}.
+  add<tandem::ParameterSharded, Opt>(
+      t, s, o, {"ZeRO-3", "(2+2+K) Psi/N", [](double p, double n) { return (2 + 2 + zero_k) * p / n; }});
   return t;
 }
 
@@ -248,7 +266,8 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
               tandem::dtype_name(dtype), s.world, optimizer.c_str(),
               static_cast<double>(s.options.bucket_cap_bytes) / mib,
               static_cast<double>(s.options.first_bucket_cap_bytes) / mib);
-  if (s.storages.back() == tandem::Storage::owned) std::printf(", %d gradient buffers", s.options.gradient_buffers);
+  if (s.storages.back() == tandem::Storage::owned)
+    std::printf(", %d gradient and %d parameter buffers", s.options.gradient_buffers, s.options.parameter_buffers);
   std::printf("\n%s\n", layout_line.c_str());
   std::printf(
       "GB per rank (1 GB = 1e9 bytes, as in the ZeRO paper). model states = params + grads + master + optimizer\n"
@@ -286,8 +305,9 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
   if (s.paper_applies)
     std::printf(
         "- The paper's figures are the rows Replicated and OptimizerSharded with user storage (your 16-bit params\n"
-        "  and grads, 2Psi + 2Psi) and GradientSharded with owned storage, whose reduced gradient shard is fp32:\n"
-        "  2Psi + 16Psi/N against the paper's 2Psi + 14Psi/N.\n");
+        "  and grads, 2Psi + 2Psi), GradientSharded and ParameterSharded with owned storage. Their reduced gradient\n"
+        "  shard is fp32 (4Psi/N, the paper counts 2Psi/N): 2Psi + 16Psi/N against 2Psi + 14Psi/N, and 18Psi/N\n"
+        "  against 16Psi/N.\n");
   for (tandem::Storage storage : s.storages) {
     if (storage == tandem::Storage::user)
       std::printf(
@@ -297,8 +317,10 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
       std::printf(
           "- owned storage: backward writes gradients straight into tandem's fp32 buckets, where they are reduced\n"
           "  and accumulated, so Replicated and OptimizerSharded keep full fp32 gradients (4Psi, %s);\n"
-          "  GradientSharded keeps its fp32 shard (4Psi/N) and reuses %d bucket buffers (under buckets).\n",
-          dtype == tandem::DType::fp32 ? "as your own would be" : "not 2Psi", s.options.gradient_buffers);
+          "  GradientSharded keeps its fp32 shard (4Psi/N) and reuses %d bucket buffers (under buckets);\n"
+          "  ParameterSharded keeps a shard of everything and gathers parameters into %d bucket buffers.\n",
+          dtype == tandem::DType::fp32 ? "as your own would be" : "not 2Psi", s.options.gradient_buffers,
+          s.options.parameter_buffers);
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/comm.hpp"
 #include "support/params.hpp"
 #include "support/temp_path.hpp"
 #include "tandem/tandem.hpp"
@@ -112,16 +113,6 @@ Params train(int world, int accumulation, int buffers, Order order) {
   return result;
 }
 
-template <class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const tandem::error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 }  // namespace
 
 TEST_CASE("GradientSharded through reused gradient buffers equals OptimizerSharded bit for bit") {
@@ -170,29 +161,31 @@ TEST_CASE("gradients(b) misuse is a clear error") {
         .bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .gradient_buffers = 2};
 
     test::DataParallel<tandem::GradientSharded, tandem::AdamW> copy(comm, model.tensors(), {}, options);
-    CHECK(message_of([&] { (void)copy.gradients(0); }).find("gradients(b) is for owned storage") != std::string::npos);
+    CHECK(test::message_of([&] { (void)copy.gradients(0); }).find("gradients(b) is for owned storage") !=
+          std::string::npos);
 
     test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs, {}, options);
     dp.broadcast_parameters();
     const std::size_t n = dp.num_buckets();
-    CHECK(message_of([&] { (void)dp.gradients(n); }).find("bucket out of range") != std::string::npos);
+    CHECK(test::message_of([&] { (void)dp.gradients(n); }).find("bucket out of range") != std::string::npos);
     {
       auto b0 = dp.gradients(0);
-      CHECK(message_of([&] { (void)dp.gradients(0); }).find("already open") != std::string::npos);
+      CHECK(test::message_of([&] { (void)dp.gradients(0); }).find("already open") != std::string::npos);
       const std::size_t other = dp.plan().bucket(1).tensors.front();
-      CHECK(message_of([&] { (void)b0.grad(other); }).find("not in this handle's bucket 0") != std::string::npos);
-      CHECK(message_of([&] { dp.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
+      CHECK(test::message_of([&] { (void)b0.grad(other); }).find("not in this handle's bucket 0") != std::string::npos);
+      CHECK(test::message_of([&] { dp.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
       auto b1 = dp.gradients(1);
       // Both buffers are held: bucket 2 cannot have one, and the message says how to proceed.
-      const std::string full = message_of([&] { (void)dp.gradients(2); });
+      const std::string full = test::message_of([&] { (void)dp.gradients(2); });
       CHECK(full.find("all 2 hold buckets (0, 1)") != std::string::npos);
       CHECK(full.find("DataParallelOptions::gradient_buffers") != std::string::npos);
       b1.release();
-      CHECK(message_of([&] { b1.release(); }).find("used after release()") != std::string::npos);
+      CHECK(test::message_of([&] { b1.release(); }).find("used after release()") != std::string::npos);
       // Bucket 1 waits for bucket 0 (buckets are reduced in bucket order), so it keeps its buffer.
-      CHECK(message_of([&] { (void)dp.gradients(2); }).find("all 2 hold buckets (0, 1)") != std::string::npos);
+      CHECK(test::message_of([&] { (void)dp.gradients(2); }).find("all 2 hold buckets (0, 1)") != std::string::npos);
     }
-    CHECK(message_of([&] { (void)dp.gradients(0); }).find("already complete in this micro-step") != std::string::npos);
+    CHECK(test::message_of([&] { (void)dp.gradients(0); }).find("already complete in this micro-step") !=
+          std::string::npos);
     auto b2 = dp.gradients(2);  // both buffers are free again: buckets 0 and 1 were reduced
     b2.release();
     CHECK(dp.step().updated);
@@ -217,9 +210,10 @@ TEST_CASE("a GradientBucket destroyed by an exception stops the micro-step until
       throw std::runtime_error("backward failed");
     } catch (const std::runtime_error&) {
     }
-    CHECK(message_of([&] { dp.step(); }).find("destroyed by an exception during backward") != std::string::npos);
-    CHECK(message_of([&] { (void)dp.gradients(1); }).find("discard_gradients() (on every rank) or load_checkpoint") !=
-          std::string::npos);
+    CHECK(test::message_of([&] { dp.step(); }).find("destroyed by an exception during backward") != std::string::npos);
+    CHECK(test::message_of([&] {
+            (void)dp.gradients(1);
+          }).find("discard_gradients() (on every rank) or load_checkpoint") != std::string::npos);
     dp.load_checkpoint(path);
     // A clean window: the abandoned buffer was zeroed. A fresh DataParallel loaded from the same checkpoint and
     // stepped alike gives the same bits (the 1e6 would have moved the first tensor).
@@ -318,50 +312,23 @@ TEST_CASE_TEMPLATE("load_checkpoint and discard_gradients inside a window start 
   std::remove(path.c_str());
 }
 
-namespace {
-
-/// LocalComm whose reduce_scatter fails once, at the call numbered `fail_at` (0-based), before doing anything.
-struct FlakyComm {
-  tandem::LocalComm& comm;
-  int fail_at = 0;
-  int calls = 0;
-  int rank() const { return comm.rank(); }
-  int size() const { return comm.size(); }
-  void all_reduce(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
-    comm.all_reduce(s, r, n, d, op, st);
-  }
-  void reduce_scatter(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
-    if (calls++ == fail_at) throw tandem::error("injected reduce_scatter failure");
-    comm.reduce_scatter(s, r, n, d, op, st);
-  }
-  void all_gather(const void* s, void* r, std::size_t n, tandem::DType d, tandem::Stream st) {
-    comm.all_gather(s, r, n, d, st);
-  }
-  void broadcast(const void* s, void* r, std::size_t n, tandem::DType d, int root, tandem::Stream st) {
-    comm.broadcast(s, r, n, d, root, st);
-  }
-  void barrier() { comm.barrier(); }
-};
-
-}  // namespace
-
 TEST_CASE("a bucket whose reduction fails to issue ends the micro-step; discard_gradients goes on") {
   tandem::LocalGroup(1).run([&](tandem::LocalComm& local) {
-    FlakyComm comm{local, 1};
+    test::CountingComm comm{local, test::Collective::reduce_scatter, 1};
     mlp::Mlp<float> model(dims, 1);
     const std::vector<tandem::TensorSpec> specs = specs_of(model);
-    test::DataParallel<tandem::GradientSharded, tandem::AdamW, FlakyComm> dp(
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW, test::CountingComm> dp(
         comm, specs, {}, {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512});
     dp.broadcast_parameters();
     { auto b0 = dp.gradients(0); }  // reduce_scatter call 0
     auto b1 = dp.gradients(1);
-    CHECK(message_of([&] { b1.release(); }).find("injected reduce_scatter failure") != std::string::npos);
+    CHECK(test::message_of([&] { b1.release(); }).find("injected collective failure") != std::string::npos);
     // Not issued again behind the user's back, and said why.
-    CHECK(message_of([&] { dp.step(); }).find("issuing bucket 1's reduction failed") != std::string::npos);
-    CHECK(comm.calls == 2);
+    CHECK(test::message_of([&] { dp.step(); }).find("issuing bucket 1's reduction failed") != std::string::npos);
+    CHECK(comm.count(test::Collective::reduce_scatter) == 2);
     dp.discard_gradients();
     CHECK(dp.step().updated);  // a whole clean micro-step: every bucket once
-    CHECK(comm.calls == 2 + static_cast<int>(dp.num_buckets()));
+    CHECK(comm.count(test::Collective::reduce_scatter) == 2 + static_cast<int>(dp.num_buckets()));
   });
 }
 
@@ -374,8 +341,8 @@ TEST_CASE("a GradientBucket used after its DataParallel was moved says so") {
     auto bucket = dp.gradients(0);
     const std::size_t first = bucket.tensors().front();
     test::DataParallel<tandem::GradientSharded, tandem::AdamW> moved(std::move(dp));
-    CHECK(message_of([&] { (void)bucket.grad(first); }).find("used after its DataParallel was moved") !=
+    CHECK(test::message_of([&] { (void)bucket.grad(first); }).find("used after its DataParallel was moved") !=
           std::string::npos);
-    CHECK(message_of([&] { moved.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
+    CHECK(test::message_of([&] { moved.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
   });
 }

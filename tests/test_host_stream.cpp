@@ -320,9 +320,11 @@ test::Params train_on_user_stream(int world, int accumulation) {
   return result;
 }
 
-/// The same with owned storage: the user's stream reads the parameters from the views, runs backward and adds the
-/// gradients into each bucket's GradientBucket views (gradient_buffers reused buffers under GradientSharded), all
-/// enqueued without waiting; tandem must order its reads, reductions and the buffers' zeroing around that work.
+/// The same with owned storage: the user's stream writes the initial parameters (initialize_parameters), reads each
+/// bucket's parameters from its ParameterBucket (reused gather buffers under ParameterSharded, with the next bucket
+/// prefetched), runs backward and adds the gradients into each bucket's GradientBucket views (reused buffers under
+/// GradientSharded and ParameterSharded), all enqueued without waiting; tandem must order its gathers, reductions and
+/// the buffers' zeroing around that work.
 template <class Policy, class Backend>
 test::Params train_owned_on_user_stream(int world, int accumulation, int buffers) {
   const std::vector<int> dims = {13, 37, 29, 23, 7};
@@ -344,23 +346,28 @@ test::Params train_owned_on_user_stream(int world, int accumulation, int buffers
                                                              .accumulation_steps = accumulation,
                                                              .max_grad_norm = 1.0f,
                                                              .gradient_buffers = buffers,
+                                                             .parameter_buffers = buffers,
                                                              .stream = user_stream},
                                                             Backend{});
     const tandem::StreamHostBackend enqueue;
     auto on_user = [&](auto f) { enqueue.launch(1, Task{f}, user_stream); };
-    for (std::size_t i = 0; i < specs.size(); ++i)
-      on_user([&model, i, view = dp.template param_view<float>(i)] {
-        std::copy(model.params()[i].begin(), model.params()[i].end(), view);
-      });
-    dp.broadcast_parameters(world - 1);
+    dp.template initialize_parameters<float>(
+        [&](std::size_t i, float* values) {
+          on_user([&model, i, values] { std::copy(model.params()[i].begin(), model.params()[i].end(), values); });
+        },
+        world - 1);
     const int local = global_batch / world;
     for (int step = 0; step < steps; ++step)
       for (int micro = 0; micro < accumulation; ++micro) {
         const int begin = (step * accumulation + micro) * global_batch + comm.rank() * local;
-        for (std::size_t i = 0; i < specs.size(); ++i)
-          on_user([&model, i, view = dp.template param_view<float>(i)] {
-            std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
-          });
+        for (std::size_t b = dp.num_buckets(); b-- > 0;) {  // forward: the last layers' bucket last
+          auto params = dp.parameters(b);
+          if (buffers > 1 && b > 0) dp.prefetch_parameters(b - 1);
+          for (std::size_t i : params.tensors())
+            on_user([&model, i, view = params.template param<float>(i)] {
+              std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
+            });
+        }
         on_user([&model, &data, begin, local] { model.forward_backward(data, begin, local); });
         for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
           auto bucket = dp.gradients(b);
@@ -371,10 +378,18 @@ test::Params train_owned_on_user_stream(int world, int accumulation, int buffers
         }
         dp.step();
       }
+    test::Params final(specs.size());
+    for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+      auto params = dp.parameters(b);
+      for (std::size_t i : params.tensors())
+        on_user([&final, &specs, i, view = params.template param<float>(i)] {
+          final[i].assign(view, view + specs[i].numel);
+        });
+    }
     user.synchronize();
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
-      result = test::param_views(dp);
+      result = std::move(final);
     }
   });
   return result;
@@ -394,8 +409,8 @@ TEST_CASE_TEMPLATE("training with backward on the user's stream equals HostBacke
     }
 }
 
-TEST_CASE_TEMPLATE("owned storage with backward writing GradientBuckets on the user's stream equals HostBackend",
-                   Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+TEST_CASE_TEMPLATE("owned storage with the passes on the user's stream equals HostBackend", Policy, tandem::Replicated,
+                   tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
   for (int world : {1, 3})
     for (int accumulation : {1, 2})
       for (int buffers : {1, 2}) {

@@ -97,7 +97,7 @@ TEST_CASE("one forward and backward on the GPU equal the host's") {
 }
 
 TEST_CASE_TEMPLATE("training on one GPU matches the host's loss", Policy, tandem::Replicated, tandem::OptimizerSharded,
-                   tandem::GradientSharded) {
+                   tandem::GradientSharded, tandem::ParameterSharded) {
   const tiny::Task task = test::sort_task(32 * 40);
   const tiny::TrainConfig cfg = test::sort_config(40);
   check_same_training(train_gpus<Policy>(1, cfg, task), tiny::train_local<Policy>(1, cfg, task), 1e-3);
@@ -112,7 +112,8 @@ TEST_CASE("bf16 parameters with accumulation on one GPU track the host") {
                       tiny::train_local<tandem::GradientSharded>(1, cfg, task), 2e-2);
 }
 
-TEST_CASE_TEMPLATE("2 GPU ranks (NCCL) match 2 host ranks", Policy, tandem::Replicated, tandem::GradientSharded) {
+TEST_CASE_TEMPLATE("2 GPU ranks (NCCL) match 2 host ranks", Policy, tandem::Replicated, tandem::GradientSharded,
+                   tandem::ParameterSharded) {
   test::require_gpus(2);  // fewer GPUs: reported as skipped
   const tiny::Task task = test::sort_task(32 * 40);
   const tiny::TrainConfig cfg = test::sort_config(40);

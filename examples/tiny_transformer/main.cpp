@@ -64,15 +64,15 @@ struct Row {
 };
 
 void print_header() {
-  std::printf("%-17s %5s %8s %9s %8s %11s %10s %9s %11s\n", "policy", "ranks", "time s", "tokens/s", "speed-up",
-              "final loss", "eval loss", "accuracy", "KiB/rank");
+  std::printf("%-17s %5s %8s %9s %8s %11s %10s %9s %11s %11s\n", "policy", "ranks", "time s", "tokens/s", "speed-up",
+              "final loss", "eval loss", "accuracy", "states KiB", "buffers KiB");
 }
 
 void print_row(const Row& row, double baseline_seconds) {
   const tiny::TrainResult& r = row.result;
-  std::printf("%-17s %5d %8.2f %9.0f %7.2fx %11.5f %10.5f %8.2f%% %11.1f\n", row.policy.c_str(), row.ranks, r.seconds,
-              r.tokens_per_second(), baseline_seconds / r.seconds, r.final_loss, r.eval_loss, 100.0 * r.eval_accuracy,
-              double(r.memory_per_rank) / 1024.0);
+  std::printf("%-17s %5d %8.2f %9.0f %7.2fx %11.5f %10.5f %8.2f%% %11.1f %11.1f\n", row.policy.c_str(), row.ranks,
+              r.seconds, r.tokens_per_second(), baseline_seconds / r.seconds, r.final_loss, r.eval_loss,
+              100.0 * r.eval_accuracy, double(r.memory.model_states()) / 1024.0, double(r.memory.buckets) / 1024.0);
   std::fflush(stdout);
 }
 
@@ -80,12 +80,13 @@ void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny
   std::ofstream out(path);
   if (!out) throw std::invalid_argument("cannot write --csv file '" + path + "'");
   out << "policy,ranks,steps,global_batch,accumulation,precision,seconds,tokens_per_second,final_loss,eval_loss,"
-         "eval_accuracy,tandem_bytes_per_rank\n";
+         "eval_accuracy,tandem_bytes_per_rank,model_state_bytes,buffer_bytes\n";
   for (const Row& row : rows)
     out << row.policy << ',' << row.ranks << ',' << cfg.steps << ',' << cfg.batch << ',' << cfg.accumulation << ','
         << (cfg.precision == tiny::Precision::bf16 ? "bf16" : "fp32") << ',' << row.result.seconds << ','
         << row.result.tokens_per_second() << ',' << row.result.final_loss << ',' << row.result.eval_loss << ','
-        << row.result.eval_accuracy << ',' << row.result.memory_per_rank << '\n';
+        << row.result.eval_accuracy << ',' << row.result.memory.total() << ',' << row.result.memory.model_states()
+        << ',' << row.result.memory.buckets << '\n';
 }
 
 /// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
@@ -122,13 +123,14 @@ int main(int argc, char** argv) {
   tiny::PolicyKind policy = tiny::PolicyKind::replicated;
   const std::map<std::string, tiny::PolicyKind> policies{{"replicated", tiny::PolicyKind::replicated},
                                                          {"optimizer-sharded", tiny::PolicyKind::optimizer_sharded},
-                                                         {"gradient-sharded", tiny::PolicyKind::gradient_sharded}};
+                                                         {"gradient-sharded", tiny::PolicyKind::gradient_sharded},
+                                                         {"parameter-sharded", tiny::PolicyKind::parameter_sharded}};
 
   CLI::App app{
       "Train a tiny transformer with tandem on N ranks (host CPU ranks, or one GPU per rank). The default task sorts "
       "lists of numbers; --text FILE trains a byte-level language model instead. --compare trains 1 rank, then N "
       "ranks under each policy."};
-  app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded")
+  app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded | parameter-sharded")
       ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
   app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
       ->check(CLI::Range(1, 256));
@@ -297,8 +299,8 @@ int main(int argc, char** argv) {
 #endif
     if (compare) {
       run(tiny::PolicyKind::replicated, 1);
-      for (tiny::PolicyKind p :
-           {tiny::PolicyKind::replicated, tiny::PolicyKind::optimizer_sharded, tiny::PolicyKind::gradient_sharded})
+      for (tiny::PolicyKind p : {tiny::PolicyKind::replicated, tiny::PolicyKind::optimizer_sharded,
+                                 tiny::PolicyKind::gradient_sharded, tiny::PolicyKind::parameter_sharded})
         run(p, ranks);
     } else {
       run(policy, ranks);

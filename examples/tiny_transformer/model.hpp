@@ -4,6 +4,9 @@
 // It is written once against a Compute (compute.hpp): matrix products go through its gemm (CBLAS on the host,
 // cuBLAS on CUDA), everything else through the item bodies of ops.hpp. It is the "user's model" of the example:
 // its parameters and gradients are its own buffers (in the compute's memory), which tandem wraps with TensorRefs.
+// Or, for a policy that shards the parameters, they are tandem's: bind() points each tensor at tandem's views, a
+// unit hook (set_unit_hook) runs before each unit of layers in forward and backward so that the views of just that
+// unit can be fetched, and release_storage() frees the model's own buffers.
 //
 // Shapes (B sequences of L <= context tokens, N = B*L rows, C width, H heads of D = C/H, F = mlp_ratio*C):
 //   x      N x C      residual stream            qkv   N x 3C   [q | k | v], head h at columns h*D
@@ -18,9 +21,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compute.hpp"
@@ -56,6 +61,9 @@ enum class Pass {
   evaluate,  ///< loss and accuracy only
   train      ///< also keep what backward() needs, with the loss gradient ready
 };
+
+/// Which pass a unit hook runs in.
+enum class Phase { forward, backward };
 
 /// The outcome of a forward pass over a batch.
 struct ForwardStats {
@@ -128,6 +136,10 @@ class Transformer {
     compute_.resize(params_, total_);
     compute_.resize(grads_, total_);
     compute_.to_device(params_.data(), init.data(), total_ * sizeof(T));
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      bound_params_.push_back(param(t));
+      bound_grads_.push_back(grad(t));
+    }
   }
 
   Transformer(const Transformer&) = delete;
@@ -138,9 +150,33 @@ class Transformer {
   std::size_t num_tensors() const { return tensors_.size(); }
   const std::string& tensor_name(std::size_t t) const { return tensors_[t].name; }
   std::size_t tensor_numel(std::size_t t) const { return tensors_[t].numel; }
-  /// Tensor t's parameters and gradient, in the compute's memory.
+  /// Tensor t's parameters and gradient in the model's own buffers, in the compute's memory.
   T* param(std::size_t t) { return params_.data() + tensors_[t].offset; }
   T* grad(std::size_t t) { return grads_.data() + tensors_[t].offset; }
+
+  /// The units forward runs in order (backward in reverse): the embeddings, each block, the final LayerNorm with the
+  /// head. Unit u's tensors are [unit_tensors(u).first, unit_tensors(u).second).
+  std::size_t num_units() const { return blocks_.size() + 2; }
+  std::pair<std::size_t, std::size_t> unit_tensors(std::size_t u) const {
+    if (u == 0) return {wte_, blocks_.empty() ? lnf_w_ : blocks_[0].ln1_w};
+    if (u <= blocks_.size()) return {blocks_[u - 1].ln1_w, blocks_[u - 1].fc2_b + 1};
+    return {lnf_w_, head_ + 1};
+  }
+  /// Called with (phase, first tensor, end tensor) before each unit of forward and backward uses its tensors.
+  using UnitHook = std::function<void(Phase, std::size_t, std::size_t)>;
+  void set_unit_hook(UnitHook hook) { hook_ = std::move(hook); }
+  /// Tensor t's parameters (read by forward and backward) and gradient (written by backward) from now on.
+  void bind(std::size_t t, const T* param, T* grad) {
+    bound_params_[t] = param;
+    bound_grads_[t] = grad;
+  }
+  /// Frees the model's own parameter and gradient buffers; every tensor must be bound (by the unit hook) before use.
+  void release_storage() {
+    params_ = Array<T>();  // (a moved-in empty array: the storage is freed)
+    grads_ = Array<T>();
+    std::fill(bound_params_.begin(), bound_params_.end(), nullptr);
+    std::fill(bound_grads_.begin(), bound_grads_.end(), nullptr);
+  }
   Array<T>& parameters() { return params_; }  ///< every tensor, contiguous in tensor order
   Array<T>& gradients() { return grads_; }
   Compute& compute() { return compute_; }
@@ -229,15 +265,20 @@ class Transformer {
     if (pass == Pass::train) index_token_rows(tokens, n);
 
     T* x = act_.x.data();
+    enter(Phase::forward, 0);
     compute_.for_each(std::size_t(n),
-                      EmbedBody<T>{tokens_.data(), param(wte_), param(wpe_), x, std::size_t(len), std::size_t(c)});
-    for (int l = 0; l < cfg_.layers; ++l) block_forward(l);
+                      EmbedBody<T>{tokens_.data(), weights(wte_), weights(wpe_), x, std::size_t(len), std::size_t(c)});
+    for (int l = 0; l < cfg_.layers; ++l) {
+      enter(Phase::forward, std::size_t(l) + 1);
+      block_forward(l);
+    }
+    enter(Phase::forward, num_units() - 1);
 
     // Final LayerNorm, head, and the loss of every row.
     T* xf = x + std::size_t(cfg_.layers) * act_.stride_nc;
-    layernorm(xf, param(lnf_w_), param(lnf_b_), act_.lnf.data(), act_.lnf_mean.data(), act_.lnf_rstd.data(), n);
+    layernorm(xf, weights(lnf_w_), weights(lnf_b_), act_.lnf.data(), act_.lnf_mean.data(), act_.lnf_rstd.data(), n);
     T* logits = act_.logits.data();
-    compute_.gemm(Trans::no, Trans::no, n, v, c, T(1), act_.lnf.data(), c, param(head_), v, T(0), logits, v);
+    compute_.gemm(Trans::no, Trans::no, n, v, c, T(1), act_.lnf.data(), c, weights(head_), v, T(0), logits, v);
     const T grad_scale = stats.rows > 0 ? T(1) / T(stats.rows) : T(0);
     compute_.for_each(std::size_t(n), CrossEntropyBody<T>{logits, targets_.data(), act_.row_loss.data(),
                                                           act_.row_correct.data(), v, grad_scale, pass == Pass::train});
@@ -262,28 +303,50 @@ class Transformer {
     if (!trained_) throw std::logic_error("tiny transformer: backward() needs a forward(..., Pass::train) first");
     trained_ = false;
     const int c = cfg_.width, n = batch_ * len_, v = cfg_.vocab;
-    compute_.zero(grads_.data(), grads_.size());
+    if (grads_.size() > 0) compute_.zero(grads_.data(), grads_.size());  // (bound gradients: zero as tandem gives them)
     T* dx = act_.dx.data();  // gradient of the residual stream, carried down the layers
     compute_.zero(dx, std::size_t(n) * c);
 
     // Head and final LayerNorm.
+    enter(Phase::backward, num_units() - 1);
     T* dlogits = act_.logits.data();
-    compute_.gemm(Trans::yes, Trans::no, c, v, n, T(1), act_.lnf.data(), c, dlogits, v, T(0), grad(head_), v);
+    compute_.gemm(Trans::yes, Trans::no, c, v, n, T(1), act_.lnf.data(), c, dlogits, v, T(0), grad_out(head_), v);
     T* dln = act_.dln.data();
-    compute_.gemm(Trans::no, Trans::yes, n, c, v, T(1), dlogits, v, param(head_), v, T(0), dln, c);
+    compute_.gemm(Trans::no, Trans::yes, n, c, v, T(1), dlogits, v, weights(head_), v, T(0), dln, c);
     const T* xf = act_.x.data() + std::size_t(cfg_.layers) * act_.stride_nc;
-    layernorm_backward(dln, xf, param(lnf_w_), act_.lnf_mean.data(), act_.lnf_rstd.data(), dx, grad(lnf_w_),
-                       grad(lnf_b_), n);
+    layernorm_backward(dln, xf, weights(lnf_w_), act_.lnf_mean.data(), act_.lnf_rstd.data(), dx, grad_out(lnf_w_),
+                       grad_out(lnf_b_), n);
 
-    for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l);
+    for (int l = cfg_.layers - 1; l >= 0; --l) {
+      enter(Phase::backward, std::size_t(l) + 1);
+      block_backward(l);
+    }
+    enter(Phase::backward, 0);
 
     // Embeddings: a token's gradient sums the rows holding it; a position's sums that position over the batch.
     compute_.for_each(std::size_t(v) * c,
-                      TokenGradBody<T>{dx, token_start_.data(), token_rows_.data(), grad(wte_), std::size_t(c)});
-    compute_.column_sums(dx, batch_, len_ * c, grad(wpe_));
+                      TokenGradBody<T>{dx, token_start_.data(), token_rows_.data(), grad_out(wte_), std::size_t(c)});
+    compute_.column_sums(dx, batch_, len_ * c, grad_out(wpe_));
   }
 
  private:
+  void enter(Phase phase, std::size_t unit) {
+    if (!hook_) return;
+    const auto [first, end] = unit_tensors(unit);
+    hook_(phase, first, end);
+  }
+  /// Tensor t's parameters and gradient as forward and backward use them: the model's own, or bound.
+  const T* weights(std::size_t t) const {
+    if (bound_params_[t] == nullptr)
+      throw std::logic_error("tiny transformer: " + tensors_[t].name + "'s parameters are used but not bound");
+    return bound_params_[t];
+  }
+  T* grad_out(std::size_t t) const {
+    if (bound_grads_[t] == nullptr)
+      throw std::logic_error("tiny transformer: " + tensors_[t].name + "'s gradient is written but not bound");
+    return bound_grads_[t];
+  }
+
   struct TensorInfo {
     std::string name;
     std::size_t offset = 0, numel = 0;
@@ -358,17 +421,17 @@ class Transformer {
     T* g = act_.g.data() + std::size_t(l) * n * f;
 
     // Attention half: mid = x + proj(attention(ln1(x))).
-    layernorm(x, param(blk.ln1_w), param(blk.ln1_b), ln1, mean, rstd, n);
-    linear(ln1, param(blk.qkv_w), param(blk.qkv_b), qkv, n, c, 3 * c);
+    layernorm(x, weights(blk.ln1_w), weights(blk.ln1_b), ln1, mean, rstd, n);
+    linear(ln1, weights(blk.qkv_w), weights(blk.qkv_b), qkv, n, c, 3 * c);
     attention_forward(l, qkv, att);
-    linear(att, param(blk.proj_w), param(blk.proj_b), mid, n, c, c);
+    linear(att, weights(blk.proj_w), weights(blk.proj_b), mid, n, c, c);
     compute_.for_each(nc, AddBody<T>{mid, x});
 
     // MLP half: out = mid + fc2(gelu(fc(ln2(mid)))).
-    layernorm(mid, param(blk.ln2_w), param(blk.ln2_b), ln2, mean + n, rstd + n, n);
-    linear(ln2, param(blk.fc_w), param(blk.fc_b), h, n, c, f);
+    layernorm(mid, weights(blk.ln2_w), weights(blk.ln2_b), ln2, mean + n, rstd + n, n);
+    linear(ln2, weights(blk.fc_w), weights(blk.fc_b), h, n, c, f);
     compute_.for_each(std::size_t(n) * f, GeluBody<T>{h, g});
-    linear(g, param(blk.fc2_w), param(blk.fc2_b), out, n, f, c);
+    linear(g, weights(blk.fc2_w), weights(blk.fc2_b), out, n, f, c);
     compute_.for_each(nc, AddBody<T>{out, mid});
   }
 
@@ -393,17 +456,18 @@ class Transformer {
     T* dqkv = act_.dqkv.data();
 
     // MLP half (out = mid + fc2(gelu(fc(ln2(mid))))): dx flows to mid unchanged, plus through the MLP.
-    linear_backward(g, param(blk.fc2_w), dx, dh, grad(blk.fc2_w), grad(blk.fc2_b), n, f, c);
+    linear_backward(g, weights(blk.fc2_w), dx, dh, grad_out(blk.fc2_w), grad_out(blk.fc2_b), n, f, c);
     compute_.for_each(std::size_t(n) * f, GeluBackwardBody<T>{h, dh});
-    linear_backward(ln2, param(blk.fc_w), dh, dln, grad(blk.fc_w), grad(blk.fc_b), n, c, f);
-    layernorm_backward(dln, mid, param(blk.ln2_w), mean + n, rstd + n, dx, grad(blk.ln2_w), grad(blk.ln2_b), n);
+    linear_backward(ln2, weights(blk.fc_w), dh, dln, grad_out(blk.fc_w), grad_out(blk.fc_b), n, c, f);
+    layernorm_backward(dln, mid, weights(blk.ln2_w), mean + n, rstd + n, dx, grad_out(blk.ln2_w), grad_out(blk.ln2_b),
+                       n);
 
     // Attention half (mid = x + proj(attention(ln1(x)))), reusing dln for the merged heads' gradient.
     T* datt = dln;
-    linear_backward(att, param(blk.proj_w), dx, datt, grad(blk.proj_w), grad(blk.proj_b), n, c, c);
+    linear_backward(att, weights(blk.proj_w), dx, datt, grad_out(blk.proj_w), grad_out(blk.proj_b), n, c, c);
     attention_backward(l, qkv, datt, dqkv);
-    linear_backward(ln1, param(blk.qkv_w), dqkv, dln, grad(blk.qkv_w), grad(blk.qkv_b), n, c, 3 * c);
-    layernorm_backward(dln, x, param(blk.ln1_w), mean, rstd, dx, grad(blk.ln1_w), grad(blk.ln1_b), n);
+    linear_backward(ln1, weights(blk.qkv_w), dqkv, dln, grad_out(blk.qkv_w), grad_out(blk.qkv_b), n, c, 3 * c);
+    layernorm_backward(dln, x, weights(blk.ln1_w), mean, rstd, dx, grad_out(blk.ln1_w), grad_out(blk.ln1_b), n);
   }
 
   // Causal self-attention, one sequence at a time with every head in one batched product: S = Q K^T / sqrt(D),
@@ -485,6 +549,9 @@ class Transformer {
   std::vector<Block> blocks_;
   std::size_t wte_ = 0, wpe_ = 0, lnf_w_ = 0, lnf_b_ = 0, head_ = 0, total_ = 0;
   Array<T> params_, grads_;
+  std::vector<const T*> bound_params_;  ///< what forward and backward read: into params_, or bound
+  std::vector<T*> bound_grads_;
+  UnitHook hook_;
   Activations act_;
   Array<int> tokens_, targets_, token_start_, token_rows_;  // the batch, and the rows of each token (CSR)
   std::vector<T> row_loss_;                                 // the last forward's losses, on the host

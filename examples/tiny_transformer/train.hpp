@@ -5,13 +5,17 @@
 // data-parallel are marked "tandem:"; everything else is what single-device training does anyway.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "data.hpp"
@@ -20,7 +24,7 @@
 
 namespace tiny {
 
-enum class PolicyKind { replicated, optimizer_sharded, gradient_sharded };
+enum class PolicyKind { replicated, optimizer_sharded, gradient_sharded, parameter_sharded };
 
 inline const char* policy_name(PolicyKind p) {
   switch (p) {
@@ -30,6 +34,8 @@ inline const char* policy_name(PolicyKind p) {
       return "OptimizerSharded";
     case PolicyKind::gradient_sharded:
       return "GradientSharded";
+    case PolicyKind::parameter_sharded:
+      return "ParameterSharded";
   }
   return "?";
 }
@@ -42,6 +48,8 @@ decltype(auto) with_policy(PolicyKind p, F&& f) {
       return f.template operator()<tandem::OptimizerSharded>();
     case PolicyKind::gradient_sharded:
       return f.template operator()<tandem::GradientSharded>();
+    case PolicyKind::parameter_sharded:
+      return f.template operator()<tandem::ParameterSharded>();
     case PolicyKind::replicated:
       break;
   }
@@ -75,13 +83,13 @@ struct TrainConfig {
 };
 
 struct TrainResult {
-  double seconds = 0;               ///< the training loop's wall time (no set-up, no evaluation, no untimed steps)
-  double tokens = 0;                ///< input tokens trained on, over all ranks
-  double final_loss = 0;            ///< mean training loss of the last (up to) 10 steps, over the global batches
-  double eval_loss = 0;             ///< mean loss over the held-out targets
-  double eval_accuracy = 0;         ///< held-out accuracy (whole examples or targets, see Task)
-  std::size_t memory_per_rank = 0;  ///< tandem's bytes per rank (MemoryReport::total)
-  std::vector<float> params;        ///< rank 0's final parameters
+  double seconds = 0;           ///< the training loop's wall time (no set-up, no evaluation, no untimed steps)
+  double tokens = 0;            ///< input tokens trained on, over all ranks
+  double final_loss = 0;        ///< mean training loss of the last (up to) 10 steps, over the global batches
+  double eval_loss = 0;         ///< mean loss over the held-out targets
+  double eval_accuracy = 0;     ///< held-out accuracy (whole examples or targets, see Task)
+  tandem::MemoryReport memory;  ///< bytes per rank, rank 0's memory_report()
+  std::vector<float> params;    ///< rank 0's final parameters
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
 };
 
@@ -94,6 +102,135 @@ inline float learning_rate(const TrainConfig& cfg, int step) {
   const double t = double(step - warmup) / std::max(1, cfg.steps - warmup);
   return cfg.lr * float(0.1 + 0.45 * (1.0 + std::cos(3.141592653589793 * t)));
 }
+
+/// Whether the example trains under `Policy` on tandem's storage: the policies that keep no full gradients (and
+/// ParameterSharded no full parameters) would otherwise leave their saving in the model's own buffers, so the model
+/// reads and writes tandem's views unit by unit (BucketPasses). The others wrap the model's buffers.
+template <class Policy>
+inline constexpr bool on_tandem_storage = Policy::reduction == tandem::GradientReduction::every_micro_step;
+
+/// The model's unit hook under owned storage, and the only place that knows about buckets. Before each unit of
+/// forward it holds the ParameterBuckets of the buckets holding the unit's tensors (releasing those the unit does not
+/// need) and prefetches the next unit's; before each unit of backward it also holds their GradientBuckets, releasing
+/// (so reducing, while backward goes on) those whose tensors are all done. The model's tensors are bound to the views;
+/// bf16 parameters are first cast into an fp32 copy of the bucket, since the model computes in fp32.
+template <class DP, class Model>
+class BucketPasses {
+ public:
+  using Compute = std::remove_cvref_t<decltype(std::declval<Model&>().compute())>;
+  static constexpr std::size_t none = std::size_t(-1);
+
+  /// For the plan the DataParallel cuts (tandem::bucket_plan). Allocates the fp32 copies (bf16) now, before any
+  /// collective.
+  BucketPasses(const tandem::Plan& plan, Model& model, Precision precision)
+      : model_(model),
+        bf16_(precision == Precision::bf16),
+        units_(unit_buckets(plan, model)),
+        params_(plan.num_buckets()),
+        grads_(plan.num_buckets()),
+        copy_of_(plan.num_buckets(), none) {
+    if (bf16_) {
+      copies_.resize(std::size_t(parameter_buffers(plan, model)));
+      for (auto& c : copies_) model.compute().resize(c, plan.max_bucket_size());
+    }
+  }
+  void attach(DP& dp) { dp_ = &dp; }
+
+  /// Bucket buffers a pass holds at once for this plan: parameters for a unit and the next unit's prefetch; gradients
+  /// for a unit, plus the one the gradient buffers' rule keeps for the next bucket in order.
+  static int parameter_buffers(const tandem::Plan& plan, const Model& model) {
+    const auto units = unit_buckets(plan, model);
+    std::size_t most = 1;
+    for (std::size_t u = 0; u + 1 < units.size(); ++u) {
+      std::vector<std::size_t> both = units[u];
+      both.insert(both.end(), units[u + 1].begin(), units[u + 1].end());
+      most = std::max(most, unique(both).size());
+    }
+    return int(most);
+  }
+  static int gradient_buffers(const tandem::Plan& plan, const Model& model) {
+    std::size_t most = 1;
+    for (const auto& unit : unit_buckets(plan, model)) most = std::max(most, unit.size());
+    return int(most) + 1;
+  }
+
+  /// The hook: unit [first, end) of `phase` is next.
+  void operator()(Phase phase, std::size_t first, std::size_t) {
+    std::size_t u = 0;
+    while (model_.unit_tensors(u).first != first) ++u;
+    const std::vector<std::size_t>& need = units_[u];
+    auto needed = [&](std::size_t b) { return std::find(need.begin(), need.end(), b) != need.end(); };
+    for (std::size_t b = 0; b < params_.size(); ++b) {  // ascending: gradients are reduced in bucket order
+      if (grads_[b] && !needed(b)) grads_[b].reset();   // tandem: release = this bucket's gradients are complete
+      if (params_[b] && !needed(b)) close(b);
+    }
+    for (std::size_t b : need) {
+      if (!params_[b]) open(b);  // tandem: gathered now (or already, by the prefetch)
+      if (phase == Phase::backward && !grads_[b]) grads_[b].emplace(dp_->gradients(b));
+      for (std::size_t t : params_[b]->tensors())
+        model_.bind(t, weights(b, t), grads_[b] ? grads_[b]->grad(t) : nullptr);
+    }
+    const std::size_t next = phase == Phase::forward ? u + 1 : u - 1;  // u - 1 wraps past the first unit
+    if (next < units_.size())
+      for (std::size_t b : units_[next])
+        if (!needed(b)) dp_->prefetch_parameters(b);  // tandem: start the next unit's gather now
+  }
+
+  /// Ends a pass: every handle released (after backward, the remaining buckets' reductions are issued).
+  void finish() {
+    for (auto& g : grads_) g.reset();
+    for (std::size_t b = 0; b < params_.size(); ++b)
+      if (params_[b]) close(b);
+  }
+
+ private:
+  void open(std::size_t b) {
+    params_[b].emplace(dp_->parameters(b));
+    if (!bf16_) return;
+    std::size_t c = 0;
+    while (std::find(copy_of_.begin(), copy_of_.end(), c) != copy_of_.end()) ++c;  // a free copy (there is one)
+    copy_of_[b] = c;
+    for (std::size_t t : params_[b]->tensors())
+      model_.compute().for_each(dp_->layout()[t].numel,
+                                CastBody<tandem::BFloat16, float>{params_[b]->template param<tandem::BFloat16>(t),
+                                                                  copies_[c].data() + dp_->plan().placement(t).offset});
+  }
+  void close(std::size_t b) {
+    params_[b].reset();
+    copy_of_[b] = none;
+  }
+  /// Tensor t's parameters as the model reads them: tandem's view, or its fp32 copy.
+  const float* weights(std::size_t b, std::size_t t) const {
+    if (!bf16_) return params_[b]->template param<float>(t);
+    return copies_[copy_of_[b]].data() + dp_->plan().placement(t).offset;
+  }
+
+  static std::vector<std::size_t> unique(std::vector<std::size_t> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    return v;
+  }
+  /// For each unit of the model, the buckets holding its tensors, ascending.
+  static std::vector<std::vector<std::size_t>> unit_buckets(const tandem::Plan& plan, const Model& model) {
+    std::vector<std::vector<std::size_t>> units;
+    for (std::size_t u = 0; u < model.num_units(); ++u) {
+      std::vector<std::size_t> buckets;
+      for (std::size_t t = model.unit_tensors(u).first; t < model.unit_tensors(u).second; ++t)
+        buckets.push_back(plan.placement(t).bucket);
+      units.push_back(unique(std::move(buckets)));
+    }
+    return units;
+  }
+
+  DP* dp_ = nullptr;
+  Model& model_;
+  bool bf16_;
+  std::vector<std::vector<std::size_t>> units_;
+  std::vector<std::optional<typename DP::ParameterBucket>> params_;
+  std::vector<std::optional<typename DP::GradientBucket>> grads_;
+  std::vector<typename Compute::template Array<float>> copies_;  ///< bf16: fp32 copies of the held buckets
+  std::vector<std::size_t> copy_of_;                             ///< the copy bucket b's parameters are in
+};
 
 inline void validate(const TrainConfig& cfg, const Task& task, int world) {
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be positive");
@@ -108,21 +245,26 @@ inline void validate(const TrainConfig& cfg, const Task& task, int world) {
 }
 
 /// One rank's training: every rank of `comm` calls it with the same arguments. The model computes on `compute`
-/// (HostCompute, or CudaCompute with an Nccl communicator).
+/// (HostCompute, or CudaCompute with an Nccl communicator). Under a policy that shards the parameters the model works
+/// on tandem's storage through BucketPasses; under the others tandem wraps the model's own buffers.
 template <class Policy, class Comm, class Compute = HostCompute>
 TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, const Progress& progress = {},
                        Compute compute = {}) {
+  constexpr bool owned = on_tandem_storage<Policy>;
+  using DP = tandem::DataParallel<Policy, tandem::AdamW, typename Compute::Backend, Comm>;
   const int rank = comm.rank(), world = comm.size(), len = task.train.len;
   validate(cfg, task, world);
-  // Different on purpose on each rank: broadcast_parameters() makes them equal.
-  Transformer<float, Compute> model(cfg.model, cfg.seed + std::uint64_t(rank), std::move(compute));
+  // Different on purpose on each rank: broadcast_parameters() (initialize_parameters) makes them equal.
+  using Model = Transformer<float, Compute>;
+  Model model(cfg.model, cfg.seed + std::uint64_t(rank), std::move(compute));
   Compute& dev = model.compute();
   const std::size_t numel = model.num_parameters();
 
-  // The tensors tandem trains: the model's own buffers, or bf16 copies of them.
+  // The tensors tandem trains: the model's own buffers, bf16 copies of them, or (owned) their specs.
+  const tandem::DType dtype = cfg.precision == Precision::bf16 ? tandem::DType::bf16 : tandem::DType::fp32;
   std::vector<tandem::TensorRef> tensors = model.tensor_refs();
   typename Compute::template Array<tandem::BFloat16> params16, grads16;
-  if (cfg.precision == Precision::bf16) {
+  if (!owned && cfg.precision == Precision::bf16) {
     dev.resize(params16, numel);
     dev.resize(grads16, numel);
     dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.parameters().data(), params16.data()});
@@ -132,24 +274,70 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     }
   }
   auto params_to_model = [&] {
-    if (cfg.precision == Precision::bf16)
+    if (!owned && cfg.precision == Precision::bf16)
       dev.for_each(numel, CastBody<tandem::BFloat16, float>{params16.data(), model.parameters().data()});
   };
+  std::vector<tandem::TensorSpec> specs;
+  std::vector<std::size_t> offsets;  // of each tensor in the model's parameters
+  for (const tandem::TensorRef& t : model.tensor_refs()) {
+    specs.push_back({t.name, t.numel, dtype});
+    offsets.push_back(std::size_t(static_cast<float*>(t.param) - model.parameters().data()));
+  }
 
   // Everything allocated before the first collective (on GPUs, allocating between collectives can deadlock).
   const int local = cfg.batch / cfg.accumulation / world;
   model.reserve(std::max(local, cfg.eval_batch), len);
 
-  tandem::DataParallel<Policy, tandem::AdamW, typename Compute::Backend, Comm> dp(  // tandem: wrap the model's tensors
-      comm, tensors, {.lr = cfg.lr, .weight_decay = cfg.weight_decay},
-      {.accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm, .stream = dev.stream()},
-      dev.backend());
-  dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
+  tandem::DataParallelOptions options{
+      .accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm, .stream = dev.stream()};
+  if constexpr (owned) {
+    // A bucket is gathered whole, so buckets of about an eighth of the model: a pass holds a few at a time.
+    options.bucket_cap_bytes = options.first_bucket_cap_bytes = std::max<std::size_t>(4096, numel * sizeof(float) / 8);
+    const tandem::Plan plan = tandem::bucket_plan(specs, world, options);
+    options.parameter_buffers = BucketPasses<DP, Model>::parameter_buffers(plan, model);
+    options.gradient_buffers = BucketPasses<DP, Model>::gradient_buffers(plan, model);
+  }
+  const tandem::AdamW::Options adamw{.lr = cfg.lr, .weight_decay = cfg.weight_decay};
+  auto make = [&] {
+    if constexpr (owned)
+      return DP(comm, specs, adamw, options, dev.backend());  // tandem: tandem holds the parameters, a shard per rank
+    else
+      return DP(comm, tensors, adamw, options, dev.backend());  // tandem: wrap the model's tensors
+  };
+  std::optional<BucketPasses<DP, Model>> passes;
+  if constexpr (owned) passes.emplace(tandem::bucket_plan(specs, world, options), model, cfg.precision);
+  DP dp = make();
+  struct EndPasses {  // the handles go before dp does, also when an exception leaves a pass half done
+    std::optional<BucketPasses<DP, Model>>& passes;
+    ~EndPasses() {
+      if (passes) passes->finish();
+    }
+  } end_passes{passes};
+  if constexpr (owned) {
+    const std::vector<float> initial = model.host_parameters();
+    auto fill = [&]<class T>(std::size_t t, T* values) {  // tandem: rank 0's initial weights, in tandem's dtype
+      const std::vector<T> v(initial.begin() + std::ptrdiff_t(offsets[t]),
+                             initial.begin() + std::ptrdiff_t(offsets[t] + specs[t].numel));
+      dev.to_device(values, v.data(), v.size() * sizeof(T));
+    };
+    if (dtype == tandem::DType::bf16)
+      dp.template initialize_parameters<tandem::BFloat16>(fill);
+    else
+      dp.template initialize_parameters<float>(fill);
+    model.release_storage();
+    passes->attach(dp);
+    model.set_unit_hook(std::ref(*passes));
+  } else {
+    dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
+  }
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);
   std::vector<int> tokens(std::size_t(local) * len), targets(tokens.size());
   double final_loss = 0;
   const int window = std::min(10, cfg.steps);
+  auto end_pass = [&] {
+    if (passes) passes->finish();
+  };
 
   const int untimed = cfg.untimed_steps < cfg.steps ? cfg.untimed_steps : 0;
   dev.synchronize();
@@ -171,8 +359,10 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       }
       params_to_model();
       loss += model.forward(tokens.data(), targets.data(), local, len, Pass::train).mean_loss() / cfg.accumulation;
+      end_pass();
       model.backward();
-      if (cfg.precision == Precision::bf16)
+      end_pass();
+      if (!owned && cfg.precision == Precision::bf16)
         dev.for_each(numel, CastBody<float, tandem::BFloat16>{model.gradients().data(), grads16.data()});
       dp.step();  // tandem: average the gradients over ranks (and micro-steps), update, regather
     }
@@ -189,14 +379,21 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   result.tokens = double(cfg.steps - untimed) * cfg.batch * len;
   result.final_loss = final_loss;
 
-  // Held-out evaluation, split over the ranks: rank r takes a contiguous 1/world of the examples.
+  // Held-out evaluation, split over the ranks: rank r takes a contiguous 1/world of the examples. Under sharded
+  // parameters each forward pass gathers (a collective), so every rank runs as many passes as the largest share needs:
+  // a rank past its share repeats the first batch of the set and leaves it out of the sums.
   params_to_model();
-  const std::size_t n_eval = task.eval.size();
+  const std::size_t n_eval = task.eval.size(), eval_batch = std::size_t(cfg.eval_batch);
   const std::size_t begin = n_eval * rank / world, end = n_eval * (rank + 1) / world;
+  const std::size_t share = owned ? (n_eval + world - 1) / world : end - begin;
   double sums[4] = {0, 0, 0, 0};  // loss, target rows, correct (rows or examples), examples
-  for (std::size_t e = begin; e < end; e += std::size_t(cfg.eval_batch)) {
-    const int b = int(std::min<std::size_t>(std::size_t(cfg.eval_batch), end - e));
-    const ForwardStats s = model.forward(task.eval.tokens_of(e), task.eval.targets_of(e), b, len, Pass::evaluate);
+  for (std::size_t e = begin; e < begin + share; e += eval_batch) {
+    const bool counted = e < end;
+    const std::size_t at = counted ? e : 0;
+    const int b = int(std::min(eval_batch, counted ? end - e : n_eval));
+    const ForwardStats s = model.forward(task.eval.tokens_of(at), task.eval.targets_of(at), b, len, Pass::evaluate);
+    end_pass();
+    if (!counted) continue;
     sums[0] += s.loss_sum;
     sums[1] += s.rows;
     if (!task.whole_example_accuracy) sums[2] += s.correct;
@@ -210,8 +407,26 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   result.eval_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
   result.eval_accuracy =
       task.whole_example_accuracy ? sums[2] / std::max(1.0, sums[3]) : sums[2] / std::max(1.0, sums[1]);
-  result.memory_per_rank = dp.memory_report().total();
-  if (rank == 0) result.params = model.host_parameters();
+  result.memory = dp.memory_report();
+  if constexpr (owned) {
+    std::vector<float> params(numel);
+    for (std::size_t b = 0; b < dp.num_buckets(); ++b) {  // collective: every rank gathers every bucket
+      auto bucket = dp.parameters(b);
+      for (std::size_t t : bucket.tensors()) {
+        float* out = params.data() + offsets[t];
+        if (dtype == tandem::DType::fp32) {
+          dev.to_host(out, bucket.template param<float>(t), specs[t].numel * sizeof(float));
+        } else {
+          std::vector<tandem::BFloat16> v(specs[t].numel);
+          dev.to_host(v.data(), bucket.template param<tandem::BFloat16>(t), v.size() * sizeof(tandem::BFloat16));
+          std::transform(v.begin(), v.end(), out, [](tandem::BFloat16 x) { return static_cast<float>(x); });
+        }
+      }
+    }
+    if (rank == 0) result.params = std::move(params);
+  } else if (rank == 0) {
+    result.params = model.host_parameters();
+  }
   return result;
 }
 

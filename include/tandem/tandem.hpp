@@ -29,5 +29,6 @@
 #include "tandem/kernels/vector.hpp"
 #include "tandem/policy/gradient_sharded.hpp"
 #include "tandem/policy/optimizer_sharded.hpp"
+#include "tandem/policy/parameter_sharded.hpp"
 #include "tandem/policy/policy.hpp"
 #include "tandem/policy/replicated.hpp"

@@ -278,6 +278,7 @@ TEST_CASE("DataParallel over Mpi equals DataParallel over LocalGroup bit for bit
   check_training<tandem::Replicated, tandem::AdamW, float>(setup, adamw);
   check_training<tandem::OptimizerSharded, tandem::AdamW, float>(setup, adamw);
   check_training<tandem::GradientSharded, tandem::AdamW, float>(setup, adamw);
+  check_training<tandem::ParameterSharded, tandem::AdamW, float>(setup, adamw);
 }
 
 TEST_CASE("DataParallel over Mpi: bf16 parameters, SGD, gradient accumulation") {
@@ -286,6 +287,7 @@ TEST_CASE("DataParallel over Mpi: bf16 parameters, SGD, gradient accumulation") 
   check_training<tandem::Replicated, tandem::SGD, tandem::BFloat16>(setup, sgd);
   check_training<tandem::OptimizerSharded, tandem::SGD, tandem::BFloat16>(setup, sgd);
   check_training<tandem::GradientSharded, tandem::AdamW, tandem::BFloat16>(setup, adamw);
+  check_training<tandem::ParameterSharded, tandem::SGD, tandem::BFloat16>(setup, sgd);
 }
 
 TEST_CASE("unequal batches: all_ranks_have_batch stops every rank after the shortest rank's batches") {

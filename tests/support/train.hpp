@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // One rank's data-parallel training of the MLP example over any communicator: the body the multi-process tests
 // (tests/mpi/) and the unequal-batches tests share, so that a run over Mpi and a run over LocalGroup execute the
-// same code and can be compared bit for bit.
+// same code and can be compared bit for bit. Under a policy that shards the parameters it trains on owned storage:
+// each micro-step's forward reads every bucket's parameters into the model through parameters(b) (last bucket first,
+// the next one prefetched), and backward writes each bucket's gradients through gradients(b).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -39,21 +42,56 @@ using StepHook = std::function<void(int, int)>;
 template <class Policy, class Optimizer, class T, class Comm>
 Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
                   const typename Optimizer::Options& options, const StepHook& hook = {}) {
+  constexpr bool owned = tandem::parameter_sharding_of<Policy> == tandem::ParameterSharding::sharded;
   mlp::Mlp<T> model(setup.dims, setup.seed + static_cast<std::uint64_t>(comm.rank()) * 1000);
   const tandem::DataParallelOptions dpo{.bucket_cap_bytes = setup.bucket_cap_bytes,
                                         .first_bucket_cap_bytes = setup.bucket_cap_bytes / 2,
                                         .accumulation_steps = setup.accumulation};
-  test::DataParallel<Policy, Optimizer, Comm> dp(comm, model.tensors(), options, dpo);
-  dp.broadcast_parameters(0);
+  auto make = [&] {
+    if constexpr (owned) {
+      std::vector<tandem::TensorSpec> specs;
+      for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
+      return test::DataParallel<Policy, Optimizer, Comm>(comm, std::move(specs), options, dpo);
+    } else {
+      return test::DataParallel<Policy, Optimizer, Comm>(comm, model.tensors(), options, dpo);
+    }
+  };
+  auto dp = make();
+  if constexpr (owned)
+    dp.template initialize_parameters<T>(
+        [&](std::size_t i, T* values) { std::copy(model.params()[i].begin(), model.params()[i].end(), values); });
+  else
+    dp.broadcast_parameters(0);
+  const std::size_t buckets = dp.num_buckets();
   const int local = setup.global_batch / comm.size();
   for (int step = 0; step < setup.steps; ++step) {
     for (int micro = 0; micro < setup.accumulation; ++micro) {
       if (hook) hook(step, micro);
       const int begin = (step * setup.accumulation + micro) * setup.global_batch + comm.rank() * local;
+      if constexpr (owned)
+        for (std::size_t b = buckets; b-- > 0;) {
+          auto params = dp.parameters(b);
+          if (b > 0) dp.prefetch_parameters(b - 1);
+          for (std::size_t i : params.tensors())
+            std::copy_n(params.template param<T>(i), model.params()[i].size(), model.params()[i].begin());
+        }
       model.forward_backward(data, begin, local);
+      if constexpr (owned)
+        for (std::size_t b = 0; b < buckets; ++b) {
+          auto grads = dp.gradients(b);
+          for (std::size_t i : grads.tensors())
+            for (std::size_t e = 0; e < model.grads()[i].size(); ++e)
+              grads.grad(i)[e] += static_cast<float>(model.grads()[i][e]);
+        }
       dp.step();
     }
   }
+  if constexpr (owned)
+    for (std::size_t b = 0; b < buckets; ++b) {  // the final parameters (collective)
+      auto params = dp.parameters(b);
+      for (std::size_t i : params.tensors())
+        std::copy_n(params.template param<T>(i), model.params()[i].size(), model.params()[i].begin());
+    }
   return as_float(model.params());
 }
 

@@ -7,7 +7,11 @@
 // elements: F under StateSharding::replicated, S under StateSharding::sharded):
 //   param_flat  F  parameter dtype   every bucket's parameters; the update writes the owned part, the
 //                                    gather fills the rest, unpack copies it to the user's buffers
-//   master      O  fp32              16-bit parameters only; for fp32 the owned part of param_flat is it
+//   param_shard S  parameter dtype   ParameterSharding::sharded instead of param_flat: this rank's shard, updated
+//   param_slots K'×M parameter dtype ParameterSharding::sharded: K' reused buffers a bucket is gathered into while
+//                                    a pass reads it (parameters(b))
+//   master      O  fp32              16-bit parameters only; for fp32 the owned part of param_flat (or
+//                                    param_shard) is it
 //   state[k]    O  fp32              the optimizer's per-element state
 //   grad_flat   F  fp32              GradientReduction::at_boundary: gradients accumulated across micro-steps
 //   staging     M  fp32              GradientReduction::every_micro_step with the user's storage
@@ -22,10 +26,12 @@
 // Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream.
 // Every public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream
 // wait for an event recorded on the user's stream, and a call that ends the user's hold on its buffers (construction,
-// step, broadcast_parameters, load_checkpoint) leaves by making the user's stream wait for an event recorded on the
-// work stream, also when it throws. The destructor enters and leaves, so that the buffers, freed in order on the work
-// stream, outlive the user's queued work on them, and the user's later work comes after tandem's. All of tandem's own
-// buffers are used only on the work stream, so its program order is their reuse order. On HostBackend events are empty
+// step, broadcast_parameters, initialize_parameters, load_checkpoint) leaves by making the user's stream wait for an
+// event recorded on the work stream, also when it throws. The destructor enters and leaves, so that the buffers, freed
+// in order on the work stream, outlive the user's queued work on them, and the user's later work comes after tandem's.
+// tandem's own buffers are used only on the work stream, so its program order is their reuse order, except the two
+// kinds the user's stream uses too: the gradient slots (ordered by slot_events_) and the gather buffers (pslot_ready_
+// after a gather, pslot_free_ after the user's reads). On HostBackend events are empty
 // and calls are no-ops; StreamHostBackend runs all of it for real on worker threads (backend/host_stream.hpp), which is
 // where the suite tests this protocol.
 #pragma once
@@ -53,6 +59,7 @@
 #include "tandem/core/plan.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/detail/agreement.hpp"
+#include "tandem/front/detail/gather_slots.hpp"
 #include "tandem/front/detail/slot_pool.hpp"
 #include "tandem/front/options.hpp"
 #include "tandem/kernels/optimizer.hpp"
@@ -85,9 +92,14 @@ template <Policy P, Optimizer Opt, class Backend = HostBackend, Communicator Com
 class DataParallel {
   static_assert(P::state == StateSharding::replicated || Opt::elementwise,
                 "sharded policies need an optimizer whose state is elementwise, so that it can be split by shard");
-  static_assert(coherent_policy<P>,
+  static_assert(state_follows_reduction<P>,
                 "a policy that reduce-scatters every micro-step keeps only its shard of the reduced gradients, so it "
                 "must shard the optimizer state too (StateSharding::sharded)");
+  static_assert(parameters_follow_state<P>,
+                "a policy that shards the parameters updates only its shard, so it must shard the optimizer state "
+                "(StateSharding::sharded) and reduce-scatter every micro-step (GradientReduction::every_micro_step)");
+  /// The parameters live in shards between uses (ParameterSharded): no full parameter buffer exists.
+  static constexpr bool shards_params_ = parameter_sharding_of<P> == ParameterSharding::sharded;
 
  public:
   using OptimizerOptions = typename Opt::Options;
@@ -96,15 +108,20 @@ class DataParallel {
   DataParallel(Comm& comm, std::vector<TensorRef> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options), refs_(std::move(tensors)) {
+    static_assert(!shards_params_,
+                  "a policy that shards the parameters keeps no full copy of them, so it cannot work on the user's "
+                  "buffers: construct DataParallel from TensorSpecs (owned storage) and read each bucket's parameters "
+                  "through parameters(b)");
     std::vector<TensorSpec> specs;
     specs.reserve(refs_.size());
     for (const TensorRef& t : refs_) specs.push_back({t.name, t.numel, t.dtype});
     construct(std::move(specs), Storage::user);
   }
 
-  /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) points into it, and backward writes
-  /// the gradients through gradients(b). Write initial values through the views, then call broadcast_parameters()
-  /// before the first step().
+  /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) (or parameters(b)) points into it, and
+  /// backward writes the gradients through gradients(b). Before the first step(), write initial values through the
+  /// views and call broadcast_parameters(), or write them with initialize_parameters (the only way under a policy that
+  /// shards the parameters).
   DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options) {
@@ -114,8 +131,8 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   /// Movable (construct it in a factory, keep it in a container): the buffers, tables and queued work move with it;
-  /// the moved-from object may only be destroyed. Not while a GradientBucket is open: the handle keeps referring to
-  /// the moved-from object and says so when used. Not assignable (it refers to its communicator).
+  /// the moved-from object may only be destroyed. Not while a GradientBucket or ParameterBucket is open: the handle
+  /// keeps referring to the moved-from object and says so when used. Not assignable (it refers to its communicator).
   DataParallel(DataParallel&&) = default;
   DataParallel& operator=(DataParallel&&) = delete;
 
@@ -128,6 +145,10 @@ class DataParallel {
     for (std::size_t b = 0; b < bucket_open_.size(); ++b)
       if (bucket_open_[b])
         std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle\n", b);
+    for (std::size_t b = 0; b < params_open_.size(); ++b)
+      if (params_open_[b])
+        std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's ParameterBucket is still open; its views dangle\n",
+                     b);
     try {
       const StreamScope scope(*this, Exit::leave);
     } catch (const std::exception& e) {
@@ -139,6 +160,9 @@ class DataParallel {
   /// Makes every rank's parameters equal to `root`'s (its buffers, or its views with owned storage) and
   /// re-derives the fp32 master weights from them.
   TANDEM_COLD void broadcast_parameters(int root = 0) {
+    static_assert(!shards_params_,
+                  "under a policy that shards the parameters the ranks hold one model between them, so there is "
+                  "nothing to broadcast: write the initial values with initialize_parameters(fill, root)");
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
@@ -161,6 +185,9 @@ class DataParallel {
   /// overlap the rest of backward; step() issues whatever is left. Buckets go out in bucket order on every rank
   /// (a bucket that completes early waits for the ones before it), so the ranks' collectives always match. On the
   /// host backend the bucket's work simply runs now. Calling it for some tensors, all or none gives the same result.
+  /// Under ParameterSharded, whose parameters(b) and prefetch_parameters(b) issue gathers on the same communicator,
+  /// the ranks' reductions and gathers interleave as their calls do: every rank must then make the same calls
+  /// (grad_ready, GradientBucket releases, parameters, prefetch_parameters) in the same order.
   void grad_ready(std::size_t i) {
     check_stepping("grad_ready");
     if (i >= layout_.size())
@@ -179,6 +206,7 @@ class DataParallel {
   StepResult step() {
     check_stepping("step()");
     check_no_open_bucket("step()");
+    check_no_open_parameters("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
@@ -218,9 +246,10 @@ class DataParallel {
     const auto scalars = Opt::scalars(optimizer_, step_);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b, scalars, average * result.clip_coefficient);
-      P::gather_parameters(comm_, view(b, nullptr));
+      if constexpr (!shards_params_) P::gather_parameters(comm_, view(b, nullptr));  // else: at the next use
       if (storage_ == Storage::user) unpack_params(scope, b);
     }
+    gathered_.forget();  // the shards changed: every bucket is gathered again at its next use
     clear_owned_gradients();
     micro_ = 0;
     result.updated = true;
@@ -278,8 +307,13 @@ class DataParallel {
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
     const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
     const std::vector<float> masters = pdtype_ == DType::fp32 ? std::vector<float>{} : gather_owned(master_.data());
-    std::vector<unsigned char> params(rank_ == 0 ? param_flat_.bytes() : 0);
-    if (rank_ == 0) backend_.read(params.data(), param_flat_.data(), params.size(), work_stream());
+    std::vector<unsigned char> params;
+    if constexpr (shards_params_) {
+      params = gather_owned(param_shard_.data(), pdtype_);
+    } else if (rank_ == 0) {
+      params.resize(param_flat_.bytes());
+      backend_.read(params.data(), param_flat_.data(), params.size(), work_stream());
+    }
     std::vector<std::vector<float>> states;
     for (std::size_t k = 0; k < state_count_; ++k) states.push_back(gather_owned(state_[k].data()));
     std::string problem;
@@ -324,6 +358,7 @@ class DataParallel {
     CheckpointData c;
     try {
       check_no_open_bucket("load_checkpoint");
+      check_no_open_parameters("load_checkpoint");
       c = read_checkpoint(path);
       check_checkpoint(c, path);
     } catch (const std::exception& e) {
@@ -336,12 +371,16 @@ class DataParallel {
     for (std::size_t i = 0; i < layout_.size(); ++i) {
       const std::size_t at = flat_index(i), n = layout_[i].numel;
       if (n == 0) continue;
-      backend_.copy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_, work_stream());
+      if constexpr (!shards_params_)
+        backend_.copy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_, work_stream());
       const Placement& place = plan_.placement(i);
       const Range owned = owned_range(place.bucket);
       const std::size_t begin = std::max(at, owned.begin), end = std::min(at + n, owned.end);
       if (begin >= end) continue;
       const std::size_t into = owned_offset(place.bucket) + (begin - owned.begin), from = begin - at;
+      if constexpr (shards_params_)
+        backend_.copy(param_shard_.data() + into * psize_, c.params[i].data() + from * psize_, (end - begin) * psize_,
+                      work_stream());
       if (pdtype_ != DType::fp32)
         backend_.copy(master_.data() + into, c.masters[i].data() + from, (end - begin) * sizeof(float), work_stream());
       for (std::size_t k = 0; k < state_count_; ++k)
@@ -350,6 +389,7 @@ class DataParallel {
     }
     step_ = c.step;
     reset_window();
+    gathered_.forget();
     synced_ = true;
     if (storage_ == Storage::user)
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(scope, b);
@@ -373,6 +413,9 @@ class DataParallel {
   TANDEM_COLD MemoryReport memory_report() const {
     constexpr std::size_t f = sizeof(float);
     const Buffers held{.param_flat = param_flat_.bytes() / psize_,
+                       .param_shard = param_shard_.bytes() / psize_,
+                       .param_slots = pslot_size_ == 0 ? 0 : param_slots_.bytes() / psize_ / pslot_size_,
+                       .param_slot_size = pslot_size_,
                        .master = master_.bytes() / f,
                        .state = state_[0].bytes() / f,
                        .grad_flat = grad_flat_.bytes() / f,
@@ -388,6 +431,9 @@ class DataParallel {
   /// parameter dtype's type (float, BFloat16 or Float16).
   template <class T>
   T* param_view(std::size_t i) const {
+    static_assert(!shards_params_,
+                  "param_view needs a policy that keeps every parameter on every rank; under a policy that shards "
+                  "them (ParameterSharded) read each bucket's parameters through parameters(b)");
     check_view(i, "param_view");
     if (dtype_of<T> != pdtype_)
       detail::fail(std::string("tandem: param_view<") + dtype_name(dtype_of<T>) + ">(" + std::to_string(i) +
@@ -419,13 +465,7 @@ class DataParallel {
   /// Buckets never opened in a micro-step contribute zero gradients.
   [[nodiscard]] GradientBucket gradients(std::size_t b) {
     check_stepping("gradients(b)");
-    if (storage_ != Storage::owned)
-      detail::fail(
-          "tandem: gradients(b) is for owned storage (DataParallel built from TensorSpecs); with your own "
-          "buffers, backward writes them and grad_ready(i) announces them");
-    if (b >= plan_.num_buckets())
-      detail::fail("tandem: gradients(" + std::to_string(b) + "): bucket out of range; the plan has " +
-                   std::to_string(plan_.num_buckets()) + " buckets");
+    check_bucket_call(b, "gradients");
     if (bucket_open_[b])
       detail::fail("tandem: gradients(" + std::to_string(b) + "): the bucket is already open in this micro-step");
     if (b < next_bucket_ || bucket_ready_[b] == plan_.bucket(b).tensors.size())
@@ -445,6 +485,111 @@ class DataParallel {
     return GradientBucket(*this, b);
   }
 
+  class ParameterBucket;
+
+  /// Owned storage: bucket b's parameters for a forward or backward pass. The handle's param<T>(i) are read-only views
+  /// of the bucket's tensors as the last optimizer step left them, valid until it is released (release(), or its
+  /// destructor); the user's stream waits for them. Under a policy that keeps every parameter (Replicated,
+  /// OptimizerSharded, GradientSharded) they point into the parameter buckets and the handle costs nothing, so one
+  /// training loop serves every policy. Under ParameterSharded the call all-gathers the bucket into one of
+  /// DataParallelOptions::parameter_buffers reused buffers (unless a prefetch_parameters(b) or an earlier handle left
+  /// it there since the last step) and throws if every buffer is held. Collective under ParameterSharded: every rank
+  /// opens and prefetches the same buckets in the same order.
+  [[nodiscard]] ParameterBucket parameters(std::size_t b) {
+    check_stepping("parameters(b)");
+    check_bucket_call(b, "parameters");
+    if (params_open_[b])
+      detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
+    if constexpr (shards_params_) {
+      std::size_t slot = gathered_.find(b);
+      if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
+      backend_.wait(options_.stream, pslot_ready_[slot]);  // the pass reads the gathered bucket
+      gathered_.open(slot);
+    }
+    params_open_[b] = 1;
+    return ParameterBucket(*this, b);
+  }
+
+  /// Under ParameterSharded: starts gathering bucket b's parameters now, on the work stream, so that the gather
+  /// overlaps the pass's work on other buckets; the later parameters(b) finds them. The buffer stays reserved for b
+  /// until then (a bucket still gathered from an earlier use is only reserved). Does nothing under a policy that
+  /// keeps every parameter. Collective.
+  void prefetch_parameters(std::size_t b) {
+    check_stepping("prefetch_parameters(b)");
+    check_bucket_call(b, "prefetch_parameters");
+    if constexpr (shards_params_) {
+      std::size_t slot = gathered_.find(b);
+      if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
+      if (!gathered_.held(slot)) gathered_.prefetched(slot);  // reserved until opened, even if it was gathered before
+    }
+  }
+
+  /// Owned storage: writes the initial parameters on `root` and gives them to every rank, bucket by bucket, then
+  /// derives the fp32 master weights. For each tensor i, in bucket order, `fill(i, values)` is called on rank `root`
+  /// only with a pointer to tensor i's numel elements of T (the parameter dtype's type) in backend memory; the values
+  /// it writes there (with host stores on the host backend, or work ordered on options().stream) become tensor i's
+  /// parameters on every rank. Under ParameterSharded this is the only way to set them, and it never holds more than
+  /// one bucket; under the other policies it writes the views and calls broadcast_parameters(root). Collective. Call it
+  /// before the first step(); optimizer state and the step count are left as they are. If `fill` throws on the root,
+  /// every rank throws tandem::error saying so, and stepping is refused until a call succeeds.
+  template <class T, class Fill>
+  TANDEM_COLD void initialize_parameters(Fill&& fill, int root = 0) {
+    if (!live_.yes) detail::fail("tandem: initialize_parameters on a DataParallel that has been moved from");
+    if (storage_ != Storage::owned)
+      detail::fail(
+          "tandem: initialize_parameters is for owned storage (DataParallel built from TensorSpecs); with your own "
+          "buffers, write them and call broadcast_parameters()");
+    if (dtype_of<T> != pdtype_)
+      detail::fail(std::string("tandem: initialize_parameters<") + dtype_name(dtype_of<T>) + ">: the parameters are " +
+                   dtype_name(pdtype_));
+    if (root < 0 || root >= world_)
+      detail::fail("tandem: initialize_parameters: root " + std::to_string(root) + " is out of range [0, " +
+                   std::to_string(world_) + ")");
+    check_no_open_parameters("initialize_parameters");
+    // The root's fill of buckets [first, end), and what it threw: every rank learns of it before any rank goes on to
+    // the broadcast, so that a throwing fill never leaves the others waiting there.
+    auto fill_on_root = [&](std::size_t first, std::size_t end, auto&& at) {
+      std::string problem;
+      if (rank_ == root) try {
+          for (std::size_t b = first; b < end; ++b)
+            for (std::size_t i : plan_.bucket(b).tensors) fill(i, at(i));
+        } catch (const std::exception& e) {
+          problem = std::string("tandem: initialize_parameters: fill threw on rank ") + std::to_string(root) + ": " +
+                    e.what();
+        }
+      all_ranks_succeed(problem);
+    };
+    synced_ = false;  // until every bucket is written
+    if constexpr (!shards_params_) {
+      {
+        const StreamScope scope(*this, Exit::leave);  // the user's stream writes after tandem's last use of the views
+      }
+      fill_on_root(0, plan_.num_buckets(), [&](std::size_t i) { return param_view<T>(i); });
+      broadcast_parameters(root);
+    } else {
+      StreamScope scope(*this, Exit::leave);
+      gathered_.forget();
+      auto* slot = static_cast<unsigned char*>(param_slots_.data());  // the first gather buffer, bucket after bucket
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+        const Bucket& bucket = plan_.bucket(b);
+        backend_.wait(work_stream(), pslot_free_[0]);  // the user's last reads of the buffer, and its last fill
+        backend_.zero(slot, bucket.size * psize_, work_stream());
+        backend_.record(pslot_ready_[0], work_stream());
+        if (rank_ == root) backend_.wait(options_.stream, pslot_ready_[0]);
+        fill_on_root(b, b + 1, [&](std::size_t i) { return reinterpret_cast<T*>(slot) + plan_.placement(i).offset; });
+        backend_.record(pslot_free_[0], options_.stream);
+        backend_.wait(work_stream(), pslot_free_[0]);
+        comm_.broadcast(slot, slot, bucket.size, pdtype_, root, work_stream());
+        backend_.copy(param_shard_.data() + bucket.shard_offset * psize_,
+                      slot + static_cast<std::size_t>(rank_) * bucket.shard_size * psize_, bucket.shard_size * psize_,
+                      work_stream());
+      }
+      init_masters(scope);
+      synced_ = true;
+      scope.leave();
+    }
+  }
+
   const Plan& plan() const { return plan_; }
   const Layout& layout() const { return layout_; }
   int rank() const { return rank_; }
@@ -456,69 +601,133 @@ class DataParallel {
   /// The number of buckets, for gradients(b); plan().bucket(b).tensors lists bucket b's tensors.
   std::size_t num_buckets() const { return plan_.num_buckets(); }
 
-  /// Bucket b's gradient views for one micro-step's backward, from gradients(b). Move-only. Releasing it (release(),
-  /// or its destructor) announces the bucket's tensors as grad_ready; the views are then no longer the user's to
-  /// write. Destroyed by an exception, it announces nothing, and the DataParallel refuses to go on with the
-  /// micro-step (its gradients are incomplete) until discard_gradients() or load_checkpoint.
-  class GradientBucket {
+  /// What both bucket handles share: the DataParallel and bucket they refer to, and the checks of every use.
+  class BucketHandle {
    public:
-    GradientBucket(GradientBucket&& o) noexcept
-        : dp_(std::exchange(o.dp_, nullptr)), bucket_(o.bucket_), exceptions_(o.exceptions_) {}
-    GradientBucket& operator=(GradientBucket&&) = delete;
-    ~GradientBucket() {
-      if (dp_ == nullptr) return;
-      if (!dp_->live_.yes) {
-        std::fprintf(stderr, "tandem: bucket %zu's GradientBucket outlived the move of its DataParallel\n", bucket_);
-        return;
-      }
-      if (std::uncaught_exceptions() > exceptions_) {
-        dp_->abandon_bucket(bucket_);
-        return;
-      }
-      try {
-        release();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "tandem: releasing bucket %zu's gradients failed: %s\n", bucket_, e.what());
-      }
-    }
+    BucketHandle(BucketHandle&& o) noexcept
+        : dp_(std::exchange(o.dp_, nullptr)), bucket_(o.bucket_), kind_(o.kind_), exceptions_(o.exceptions_) {}
+    BucketHandle& operator=(BucketHandle&&) = delete;
 
     std::size_t bucket() const { return bucket_; }
     /// Layout indices of the bucket's tensors (reverse layout order).
     const std::vector<std::size_t>& tensors() const { return dp().plan_.bucket(bucket_).tensors; }
 
-    /// Tensor i's fp32 gradients (i is a layout index of a tensor in this bucket).
-    float* grad(std::size_t i) const {
+   protected:
+    BucketHandle(DataParallel& dp, std::size_t b, const char* kind)
+        : dp_(&dp), bucket_(b), kind_(kind), exceptions_(std::uncaught_exceptions()) {}
+    ~BucketHandle() = default;
+
+    /// The DataParallel, or an error saying why the handle cannot be used.
+    DataParallel& dp() const {
+      if (dp_ == nullptr)
+        detail::fail(std::string("tandem: ") + kind_ + " used after release() (or after being moved from)");
+      if (!dp_->live_.yes)
+        detail::fail(std::string("tandem: ") + kind_ + " of bucket " + std::to_string(bucket_) +
+                     " used after its DataParallel was moved; release buckets before moving a DataParallel");
+      return *dp_;
+    }
+    /// Tensor i's offset in the bucket, or an error naming `call` if i is not one of its tensors.
+    std::size_t offset_of(std::size_t i, const char* call) const {
       const DataParallel& d = dp();
       if (i >= d.layout_.size() || d.plan_.placement(i).bucket != bucket_)
-        detail::fail("tandem: GradientBucket::grad(" + std::to_string(i) + "): " +
+        detail::fail(std::string("tandem: ") + kind_ + "::" + call + "(" + std::to_string(i) + "): " +
                      (i < d.layout_.size()
                           ? d.layout_.describe(i) + " is in bucket " + std::to_string(d.plan_.placement(i).bucket)
                           : std::string("the index is out of range")) +
                      ", not in this handle's bucket " + std::to_string(bucket_));
-      return d.bucket_grads(bucket_) + d.plan_.placement(i).offset;
+      return d.plan_.placement(i).offset;
+    }
+    /// The destructor's release: whether there is anything to do (logs a handle that outlived a move).
+    bool releasing() const {
+      if (dp_ == nullptr) return false;
+      if (dp_->live_.yes) return true;
+      std::fprintf(stderr, "tandem: bucket %zu's %s outlived the move of its DataParallel\n", bucket_, kind_);
+      return false;
+    }
+    bool unwinding() const { return std::uncaught_exceptions() > exceptions_; }
+    /// Ends the handle, returning its DataParallel for the release.
+    DataParallel& take() {
+      DataParallel& d = dp();
+      dp_ = nullptr;
+      return d;
+    }
+    void log_failed_release(const std::exception& e) const {
+      std::fprintf(stderr, "tandem: releasing bucket %zu's %s failed: %s\n", bucket_, kind_, e.what());
+    }
+
+    DataParallel* dp_;
+    std::size_t bucket_;
+    const char* kind_;
+    int exceptions_;
+  };
+
+  /// Bucket b's gradient views for one micro-step's backward, from gradients(b). Move-only. Releasing it (release(),
+  /// or its destructor) announces the bucket's tensors as grad_ready; the views are then no longer the user's to
+  /// write. Destroyed by an exception, it announces nothing, and the DataParallel refuses to go on with the
+  /// micro-step (its gradients are incomplete) until discard_gradients() or load_checkpoint.
+  class GradientBucket : public BucketHandle {
+   public:
+    GradientBucket(GradientBucket&&) noexcept = default;
+    ~GradientBucket() {
+      if (!this->releasing()) return;
+      if (this->unwinding()) {
+        this->take().abandon_bucket(this->bucket_);
+        return;
+      }
+      try {
+        release();
+      } catch (const std::exception& e) {
+        this->log_failed_release(e);
+      }
+    }
+
+    /// Tensor i's fp32 gradients (i is a layout index of a tensor in this bucket).
+    float* grad(std::size_t i) const {
+      const std::size_t at = this->offset_of(i, "grad");
+      return this->dp().bucket_grads(this->bucket_) + at;
     }
 
     /// Announces the bucket's tensors as grad_ready now (throws what issuing its reduction throws).
-    void release() {
-      DataParallel& d = dp();
-      dp_ = nullptr;
-      d.release_bucket(bucket_);
-    }
+    void release() { this->take().release_bucket(this->bucket_); }
 
    private:
     friend class DataParallel;
-    GradientBucket(DataParallel& dp, std::size_t b) : dp_(&dp), bucket_(b), exceptions_(std::uncaught_exceptions()) {}
-    DataParallel& dp() const {
-      if (dp_ == nullptr) detail::fail("tandem: GradientBucket used after release() (or after being moved from)");
-      if (!dp_->live_.yes)
-        detail::fail("tandem: GradientBucket of bucket " + std::to_string(bucket_) +
-                     " used after its DataParallel was moved; release buckets before moving a DataParallel");
-      return *dp_;
-    }
-    DataParallel* dp_;
-    std::size_t bucket_;
-    int exceptions_;
+    GradientBucket(DataParallel& dp, std::size_t b) : BucketHandle(dp, b, "GradientBucket") {}
   };
+
+  /// Bucket b's parameters for one pass, from parameters(b): read-only views, valid until the handle is released
+  /// (release(), or its destructor; also when an exception destroys it, since reading changes nothing). Move-only.
+  class ParameterBucket : public BucketHandle {
+   public:
+    ParameterBucket(ParameterBucket&&) noexcept = default;
+    ~ParameterBucket() {
+      if (!this->releasing()) return;
+      try {
+        release();
+      } catch (const std::exception& e) {
+        this->log_failed_release(e);
+      }
+    }
+
+    /// Tensor i's parameters (i is a layout index of a tensor in this bucket; T the parameter dtype's type).
+    template <class T>
+    const T* param(std::size_t i) const {
+      const std::size_t at = this->offset_of(i, "param");
+      const DataParallel& d = this->dp();
+      if (dtype_of<T> != d.pdtype_)
+        detail::fail(std::string("tandem: ParameterBucket::param<") + dtype_name(dtype_of<T>) + ">(" +
+                     std::to_string(i) + "): the parameters are " + dtype_name(d.pdtype_));
+      return reinterpret_cast<const T*>(d.bucket_params(this->bucket_)) + at;
+    }
+
+    /// Gives the views back now: the gather buffer may take another bucket once the user's stream is past this point.
+    void release() { this->take().release_params(this->bucket_); }
+
+   private:
+    friend class DataParallel;
+    ParameterBucket(DataParallel& dp, std::size_t b) : BucketHandle(dp, b, "ParameterBucket") {}
+  };
+
   /// The optimizer's options; change them between steps (a learning-rate schedule, say).
   OptimizerOptions& optimizer_options() { return optimizer_; }
   const DataParallelOptions& options() const { return options_; }
@@ -583,8 +792,11 @@ class DataParallel {
                    std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
-                   " before broadcast_parameters(): with owned storage, write the initial "
-                   "parameters through the views and call broadcast_parameters() first");
+                   (shards_params_ ? " before initialize_parameters(): with sharded parameters, write the initial "
+                                     "parameters with initialize_parameters(fill) first"
+                                   : " before broadcast_parameters(): with owned storage, write the initial "
+                                     "parameters through the views and call broadcast_parameters() first (or use "
+                                     "initialize_parameters(fill))"));
   }
 
   void check_no_open_bucket(const char* what) const {
@@ -592,6 +804,62 @@ class DataParallel {
       if (bucket_open_[b])
         detail::fail(std::string("tandem: ") + what + " while bucket " + std::to_string(b) +
                      "'s GradientBucket is still open; release it (let it go out of scope) first");
+  }
+
+  /// The parameters are about to change: no pass may still be reading them.
+  void check_no_open_parameters(const char* what) const {
+    for (std::size_t b = 0; b < params_open_.size(); ++b)
+      if (params_open_[b])
+        detail::fail(std::string("tandem: ") + what + " while bucket " + std::to_string(b) +
+                     "'s ParameterBucket is still open; release it (let it go out of scope) first");
+  }
+
+  /// gradients(b), parameters(b), prefetch_parameters(b): owned storage and a bucket in range.
+  void check_bucket_call(std::size_t b, const char* what) const {
+    if (storage_ != Storage::owned)
+      detail::fail(std::string("tandem: ") + what +
+                   "(b) is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+    if (b >= plan_.num_buckets())
+      detail::fail(std::string("tandem: ") + what + "(" + std::to_string(b) + "): bucket out of range; the plan has " +
+                   std::to_string(plan_.num_buckets()) + " buckets");
+  }
+
+  /// Sharded parameters: gathers bucket b into a free gather buffer on the work stream, after the user's stream is
+  /// done reading the buffer's previous bucket; returns the buffer. A gather that fails to issue leaves the ranks'
+  /// collective sequences apart, like a failed reduction.
+  std::size_t gather_into_slot(std::size_t b) {
+    const std::size_t slot = gathered_.assign(b);
+    try {
+      backend_.wait(work_stream(), pslot_free_[slot]);
+      const Bucket& bucket = plan_.bucket(b);
+      BucketView v = view(b, nullptr);
+      v.param = static_cast<unsigned char*>(param_slots_.data()) + slot * pslot_size_ * psize_;
+      v.param_shard = param_shard_.data() + bucket.shard_offset * psize_;
+      P::gather_parameters(comm_, v);
+      backend_.record(pslot_ready_[slot], work_stream());
+    } catch (const std::exception& e) {
+      gathered_.drop(slot);
+      broken_ = std::string("gathering bucket ") + std::to_string(b) + "'s parameters failed (" + e.what() + ")";
+      throw;
+    }
+    return slot;
+  }
+
+  /// ParameterBucket::release: the user's stream records where its reads of the bucket end.
+  void release_params(std::size_t b) {
+    params_open_[b] = 0;
+    if constexpr (shards_params_) {
+      const std::size_t slot = gathered_.find(b);
+      gathered_.close(slot);
+      backend_.record(pslot_free_[slot], options_.stream);
+    }
+  }
+
+  /// Bucket b's full parameters: its part of the parameter buckets, or the gather buffer holding it.
+  const void* bucket_params(std::size_t b) const {
+    if constexpr (shards_params_)
+      return static_cast<const unsigned char*>(param_slots_.data()) + gathered_.find(b) * pslot_size_ * psize_;
+    return param_bucket(b);
   }
 
   /// Issues the buckets that grad_ready or a released GradientBucket has completed, if the next one in bucket order is.
@@ -785,17 +1053,26 @@ class DataParallel {
 
   /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
   TANDEM_COLD std::vector<float> gather_owned(const float* owned) {
-    Buffer<float> gathered = backend_.template allocate<float>(plan_.total_size());
+    const std::vector<unsigned char> bytes = gather_owned(owned, DType::fp32);
+    std::vector<float> full(plan_.total_size());
+    std::memcpy(full.data(), bytes.data(), bytes.size());
+    return full;
+  }
+  /// The same for an array of `dtype` (the parameter shards under a policy that shards them), as bytes.
+  TANDEM_COLD std::vector<unsigned char> gather_owned(const void* owned, DType dtype) {
+    const std::size_t size = dtype_size(dtype);
+    Buffer<unsigned char> gathered = backend_.template allocate<unsigned char>(plan_.total_size() * size);
+    const auto* from = static_cast<const unsigned char*>(owned);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
       if (P::state == StateSharding::replicated)
-        backend_.copy(gathered.data() + bucket.offset, owned + bucket.offset, bucket.size * sizeof(float),
+        backend_.copy(gathered.data() + bucket.offset * size, from + bucket.offset * size, bucket.size * size,
                       work_stream());
       else
-        comm_.all_gather(owned + bucket.shard_offset, gathered.data() + bucket.offset, bucket.shard_size, DType::fp32,
-                         work_stream());
+        comm_.all_gather(from + bucket.shard_offset * size, gathered.data() + bucket.offset * size, bucket.shard_size,
+                         dtype, work_stream());
     }
-    std::vector<float> full(plan_.total_size());
+    std::vector<unsigned char> full(gathered.bytes());
     backend_.read(full.data(), gathered.data(), gathered.bytes(), work_stream());
     return full;
   }
@@ -822,7 +1099,7 @@ class DataParallel {
   /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
   TANDEM_COLD void agree_across_ranks(const std::string& problem) {
     all_ranks_succeed(problem);
-    constexpr std::size_t words = 12;
+    constexpr std::size_t words = 13;
     std::vector<std::uint64_t> mine(words, 0);
     mine[0] = layout_.fingerprint();
     mine[1] = layout_.size();
@@ -837,6 +1114,7 @@ class DataParallel {
     std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
     mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
     mine[11] = static_cast<std::uint64_t>(options_.gradient_buffers);
+    mine[12] = static_cast<std::uint64_t>(options_.parameter_buffers);
     const std::vector<std::uint64_t> all = all_gather_words(mine);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
@@ -850,7 +1128,8 @@ class DataParallel {
       if (!std::equal(w0 + 3, w0 + words, w + 3))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size, max_grad_norm, non_finite or gradient_buffers); every rank "
+                     "bucket caps, storage, world size, max_grad_norm, non_finite, gradient_buffers or "
+                     "parameter_buffers); every rank "
                      "must use the same configuration");
     }
   }
@@ -868,6 +1147,15 @@ class DataParallel {
       backend_.zero(buffer.data(), buffer.bytes(), work_stream());  // padding stays zero forever
     };
     zeroed(param_flat_, need.param_flat * psize_);
+    zeroed(param_shard_, need.param_shard * psize_);
+    zeroed(param_slots_, need.param_slots * need.param_slot_size * psize_);
+    pslot_size_ = need.param_slot_size;
+    gathered_ = detail::GatherSlots(need.param_slots);
+    for (std::size_t k = 0; k < need.param_slots; ++k) {
+      pslot_ready_.push_back(backend_.make_event());
+      pslot_free_.push_back(backend_.make_event());
+    }
+    params_open_.assign(plan_.num_buckets(), 0);
     if (need.master != 0) master_ = backend_.template allocate<float>(need.master);
     for (std::size_t k = 0; k < state_count_; ++k) zeroed(state_[k], need.state);
     zeroed(grad_flat_, need.grad_flat);
@@ -913,13 +1201,25 @@ class DataParallel {
     return plan_.bucket(at.bucket).offset + at.offset;
   }
 
+  /// Bucket b's part of the full parameter buffer (none under sharded parameters).
   void* param_bucket(std::size_t b) const {
+    if (param_flat_.data() == nullptr) return nullptr;
     return static_cast<unsigned char*>(param_flat_.data()) + plan_.bucket(b).offset * psize_;
+  }
+
+  /// The parameters of bucket b's owned range (where the update writes): in the full buffer, or this rank's shard.
+  void* owned_params(std::size_t b) const {
+    if constexpr (shards_params_) return param_shard_.data() + plan_.bucket(b).shard_offset * psize_;
+    return static_cast<unsigned char*>(param_flat_.data()) + owned_range(b).begin * psize_;
   }
 
   BucketView view(std::size_t b, float* grads) const {
     const Bucket& bucket = plan_.bucket(b);
-    return {grads, param_bucket(b), pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
+    void* param = param_bucket(b);
+    const void* shard = param == nullptr ? nullptr
+                                         : static_cast<unsigned char*>(param) +
+                                               static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
+    return {grads, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
   StoreHint hint(std::size_t b, std::size_t element_bytes) const {
@@ -1025,7 +1325,7 @@ class DataParallel {
       using T = decltype(tag);
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
         const Range r = owned_range(b);
-        const T* src = reinterpret_cast<const T*>(param_flat_.data()) + r.begin;
+        const T* src = static_cast<const T*>(owned_params(b));
         backend_.launch(cast_items(r.size()), CastBody<T, float>{src, master_.data() + owned_offset(b), r.size(), 1.0f},
                         work_stream());
       }
@@ -1037,7 +1337,7 @@ class DataParallel {
     visit_param_dtype(pdtype_, [&](auto tag) {
       using T = decltype(tag);
       UpdateArgs<T> a;
-      a.param = reinterpret_cast<T*>(param_flat_.data()) + r.begin;
+      a.param = static_cast<T*>(owned_params(b));
       a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
       a.grad = owned_grads(b);
       for (std::size_t k = 0; k < 2; ++k) a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
@@ -1065,6 +1365,13 @@ class DataParallel {
   ResidentPackTables<Backend> param_tables_, grad_tables_;
   std::vector<std::vector<Range>> staging_gaps_;
   Buffer<unsigned char> param_flat_;
+  Buffer<unsigned char> param_shard_;                 ///< sharded parameters: this rank's shard of every bucket
+  Buffer<unsigned char> param_slots_;                 ///< sharded parameters: the gather buffers
+  std::size_t pslot_size_ = 0;                        ///< elements per gather buffer
+  detail::GatherSlots gathered_;                      ///< which bucket each gather buffer holds
+  std::vector<typename Backend::Event> pslot_ready_;  ///< recorded on the work stream when a gather into slot s is done
+  std::vector<typename Backend::Event> pslot_free_;   ///< recorded on the user's stream when its reads of slot s end
+  std::vector<unsigned char> params_open_;            ///< a ParameterBucket of bucket b is alive
   Buffer<float> master_;
   Buffer<float> state_[2];
   Buffer<float> grad_flat_;

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The memory estimator: the MemoryReport that DataParallel<P, Opt> would report on one rank, computed from the
-// tensor list alone. It cuts the same plan (detail::plan_for) and applies the policy's buffer rule (P::buffers) and
-// the one categorisation (memory_of), allocating nothing, so it answers "does this fit?" for any world size before
-// any rank exists. tests/test_memory_report.cpp holds it equal to memory_report() of real constructions.
+// tensor list alone. It cuts the same plan (detail::plan_for, public as bucket_plan) and applies the policy's buffer
+// rule (P::buffers) and the one categorisation (memory_of), allocating nothing, so it answers "does this fit?" for any
+// world size before any rank exists. tests/test_memory_report.cpp holds it equal to memory_report() of real
+// constructions.
 #pragma once
 
 #include <string>
@@ -17,6 +18,18 @@
 
 namespace tandem {
 
+/// The buckets DataParallel cuts for these tensors at this world size with these options (plan().bucket(b).tensors,
+/// sizes and shards), before any rank exists: to size DataParallelOptions::parameter_buffers and gradient_buffers for
+/// the buckets a pass holds at once, say. Throws tandem::error for arguments the construction would reject.
+TANDEM_COLD inline Plan bucket_plan(std::vector<TensorSpec> tensors, int world_size,
+                                    const DataParallelOptions& options = {}) {
+  if (world_size < 1) detail::fail("tandem: world_size is " + std::to_string(world_size) + "; it must be >= 1");
+  detail::validate(options);
+  const Layout layout(std::move(tensors));
+  detail::validate_one_dtype(layout);
+  return detail::plan_for(layout, options, world_size);
+}
+
 /// What DataParallel<P, Opt>'s memory_report() would return on each rank of a group of `world_size` for these
 /// tensors, with `storage` (Storage::user: built from TensorRefs; Storage::owned: from TensorSpecs). Throws
 /// tandem::error for arguments the construction would reject.
@@ -24,15 +37,13 @@ template <Policy P, Optimizer Opt>
 TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int world_size, Storage storage,
                                          const typename Opt::Options& optimizer = {},
                                          const DataParallelOptions& options = {}) {
-  if (world_size < 1)
-    detail::fail("tandem: estimate_memory: world_size is " + std::to_string(world_size) + "; it must be >= 1");
-  detail::validate(options);
   Opt::validate(optimizer);
-  const Layout layout(std::move(tensors));
-  detail::validate_one_dtype(layout);
-  const Plan plan = detail::plan_for(layout, options, world_size);
-  const BufferInputs in = detail::buffer_inputs(plan, layout[0].dtype, storage, options);
-  return memory_of(P::buffers(in), in, layout.total_numel(), Opt::state_count(optimizer));
+  const DType dtype = tensors.empty() ? DType::fp32 : tensors[0].dtype;
+  std::size_t numel = 0;
+  for (const TensorSpec& t : tensors) numel += t.numel;
+  const Plan plan = bucket_plan(std::move(tensors), world_size, options);
+  const BufferInputs in = detail::buffer_inputs(plan, dtype, storage, options);
+  return memory_of(P::buffers(in), in, numel, Opt::state_count(optimizer));
 }
 
 }  // namespace tandem

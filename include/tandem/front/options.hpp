@@ -35,6 +35,10 @@ struct DataParallelOptions {
   /// buffers backward writes into, reused bucket after bucket; at most this many buckets are open (gradients(b)) or
   /// waiting to be reduced at once.
   int gradient_buffers = 2;
+  /// Under a policy that shards the parameters (ParameterSharded): how many bucket-sized buffers buckets are gathered
+  /// into while a pass uses them (parameters(b)) or after prefetch_parameters(b); two let one bucket's gather overlap
+  /// the use of another.
+  int parameter_buffers = 2;
   Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };
 
@@ -52,6 +56,9 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
     fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
   if (options.gradient_buffers < 1)
     fail("tandem: DataParallelOptions::gradient_buffers is " + std::to_string(options.gradient_buffers) +
+         "; it must be at least 1");
+  if (options.parameter_buffers < 1)
+    fail("tandem: DataParallelOptions::parameter_buffers is " + std::to_string(options.parameter_buffers) +
          "; it must be at least 1");
 }
 
@@ -83,7 +90,8 @@ inline Plan plan_for(const Layout& layout, const DataParallelOptions& options, i
 /// What a policy's buffer rule (P::buffers) reads, from the plan and the options fixed at construction.
 inline BufferInputs buffer_inputs(const Plan& plan, DType param_dtype, Storage storage,
                                   const DataParallelOptions& options) {
-  return {plan, param_dtype, storage, static_cast<std::size_t>(options.gradient_buffers)};
+  return {plan, param_dtype, storage, static_cast<std::size_t>(options.gradient_buffers),
+          static_cast<std::size_t>(options.parameter_buffers)};
 }
 
 }  // namespace detail

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // What a policy decides, and the concept a policy type satisfies. A policy is an empty tag type and the one place
-// of its behaviour: two traits (who keeps the optimizer state, when gradients are reduced), the collectives of each
-// phase (two hooks over one bucket), and its buffer rule: which buffers a rank allocates and how large, from which
-// the memory report and the estimator (front/estimate.hpp) both follow. The front calls nothing else.
+// of its behaviour: its traits (who keeps the optimizer state, when gradients are reduced, and, optionally, who keeps
+// the parameters between uses), the collectives of each phase (two hooks over one bucket), and its buffer rule: which
+// buffers a rank allocates and how large, from which the memory report and the estimator (front/estimate.hpp) both
+// follow. The front calls nothing else.
 #pragma once
 
 #include <concepts>
@@ -25,6 +26,12 @@ enum class StateSharding {
 enum class GradientReduction {
   at_boundary,      ///< micro-steps accumulate locally in a full fp32 buffer; reduce once per optimizer step
   every_micro_step  ///< reduce-scatter every micro-step into an fp32 shard accumulator; no full reduced copy
+};
+
+/// Who keeps a bucket's parameters between the forward and backward passes that use them.
+enum class ParameterSharding {
+  replicated,  ///< every rank keeps every parameter; the optimizer step gathers the updated shards (if any) at once
+  sharded      ///< rank r keeps shard r; a bucket is all-gathered into a reused buffer while a pass uses it (ZeRO-3)
 };
 
 /// Where the parameters and the gradients backward writes live.
@@ -55,12 +62,16 @@ struct BufferInputs {
   const Plan& plan;
   DType param_dtype = DType::fp32;
   Storage storage = Storage::user;
-  std::size_t gradient_buffers = 0;  ///< DataParallelOptions::gradient_buffers
+  std::size_t gradient_buffers = 0;   ///< DataParallelOptions::gradient_buffers
+  std::size_t parameter_buffers = 0;  ///< DataParallelOptions::parameter_buffers
 };
 
 /// The buffers one rank allocates, in elements (fp32 unless said). A zero means the buffer does not exist.
 struct Buffers {
-  std::size_t param_flat = 0;  ///< parameter dtype: every bucket's parameters
+  std::size_t param_flat = 0;   ///< parameter dtype: every bucket's parameters
+  std::size_t param_shard = 0;  ///< parameter dtype: this rank's shard of every bucket (sharded parameters)
+  std::size_t param_slots = 0;  ///< parameter dtype: reused buffers a bucket is gathered into while it is used
+  std::size_t param_slot_size = 0;
   std::size_t master = 0;      ///< fp32 master weights of the owned range (16-bit parameters only)
   std::size_t state = 0;       ///< each optimizer state array, over the owned range
   std::size_t grad_flat = 0;   ///< full-size gradients living across the step
@@ -77,13 +88,14 @@ inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::siz
   MemoryReport r;
   r.master_weights = b.master * f;
   r.optimizer_state = state_count * b.state * f;
-  const std::size_t transient = (b.grad_slots * b.grad_slot_size + b.staging) * f;
+  const std::size_t transient =
+      (b.grad_slots * b.grad_slot_size + b.staging) * f + b.param_slots * b.param_slot_size * p;
   if (in.storage == Storage::user) {
     r.params = numel * p;
     r.grads = numel * p;
-    r.buckets = b.param_flat * p + (b.grad_flat + b.grad_shard) * f + transient;
+    r.buckets = (b.param_flat + b.param_shard) * p + (b.grad_flat + b.grad_shard) * f + transient;
   } else {
-    r.params = b.param_flat * p;
+    r.params = (b.param_flat + b.param_shard) * p;
     r.grads = (b.grad_flat + b.grad_shard) * f;
     r.buckets = transient;
   }
@@ -110,6 +122,9 @@ static_assert(Communicator<ArchetypeCommunicator>);
 struct BucketView {
   float* grad = nullptr;  ///< the bucket's fp32 gradients (size elements)
   void* param = nullptr;  ///< the bucket's parameters in the parameter dtype (size elements)
+  /// This rank's shard of them (shard_size elements): inside `param` (at rank × shard_size) unless the policy shards
+  /// the parameters, where it is the rank's own storage and `param` a buffer to gather the bucket into.
+  const void* param_shard = nullptr;
   DType param_dtype = DType::fp32;
   std::size_t size = 0;        ///< elements, a multiple of the world size
   std::size_t shard_size = 0;  ///< size / world size
@@ -127,9 +142,32 @@ concept Policy = requires(detail::ArchetypeCommunicator& comm, const BucketView&
   { P::buffers(in) } -> std::same_as<Buffers>;
 };
 
+/// Who keeps a policy's parameters: its `parameters` trait, replicated for a policy that has none.
+template <Policy P>
+inline constexpr ParameterSharding parameter_sharding_of = [] {
+  if constexpr (requires {
+                  { P::parameters } -> std::convertible_to<ParameterSharding>;
+                })
+    return static_cast<ParameterSharding>(P::parameters);
+  else
+    return ParameterSharding::replicated;
+}();
+
+/// A policy that reduce-scatters every micro-step keeps only its shard of the reduced gradients, so it must shard the
+/// optimizer state too.
+template <Policy P>
+inline constexpr bool state_follows_reduction =
+    !(P::state == StateSharding::replicated && P::reduction == GradientReduction::every_micro_step);
+
+/// A policy that shards the parameters updates only its shard, so it must shard the optimizer state, and keeps no full
+/// gradients (it could not use them), so it must reduce every micro-step.
+template <Policy P>
+inline constexpr bool parameters_follow_state = parameter_sharding_of<P> == ParameterSharding::replicated ||
+                                                (P::state == StateSharding::sharded &&
+                                                 P::reduction == GradientReduction::every_micro_step);
+
 /// Whether a policy's traits can work together; DataParallel states the reason when they cannot.
 template <Policy P>
-inline constexpr bool coherent_policy =
-    !(P::state == StateSharding::replicated && P::reduction == GradientReduction::every_micro_step);
+inline constexpr bool coherent_policy = state_follows_reduction<P>&& parameters_follow_state<P>;
 
 }  // namespace tandem
