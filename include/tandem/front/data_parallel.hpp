@@ -569,7 +569,7 @@ class DataParallel {
     } else {
       StreamScope scope(*this, Exit::leave);
       gathered_.forget();
-      auto* slot = static_cast<unsigned char*>(param_slots_.data());  // the first gather buffer, bucket after bucket
+      unsigned char* slot = gather_buffer(0);  // the first gather buffer, bucket after bucket
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
         const Bucket& bucket = plan_.bucket(b);
         backend_.wait(work_stream(), pslot_free_[0]);  // the user's last reads of the buffer, and its last fill
@@ -831,10 +831,8 @@ class DataParallel {
     const std::size_t slot = gathered_.assign(b);
     try {
       backend_.wait(work_stream(), pslot_free_[slot]);
-      const Bucket& bucket = plan_.bucket(b);
       BucketView v = view(b, nullptr);
-      v.param = static_cast<unsigned char*>(param_slots_.data()) + slot * pslot_size_ * psize_;
-      v.param_shard = param_shard_.data() + bucket.shard_offset * psize_;
+      v.param = gather_buffer(slot);
       P::gather_parameters(comm_, v);
       backend_.record(pslot_ready_[slot], work_stream());
     } catch (const std::exception& e) {
@@ -857,9 +855,13 @@ class DataParallel {
 
   /// Bucket b's full parameters: its part of the parameter buckets, or the gather buffer holding it.
   const void* bucket_params(std::size_t b) const {
-    if constexpr (shards_params_)
-      return static_cast<const unsigned char*>(param_slots_.data()) + gathered_.find(b) * pslot_size_ * psize_;
+    if constexpr (shards_params_) return gather_buffer(gathered_.find(b));
     return param_bucket(b);
+  }
+
+  /// Sharded parameters: gather buffer s.
+  unsigned char* gather_buffer(std::size_t s) const {
+    return static_cast<unsigned char*>(param_slots_.data()) + s * pslot_size_ * psize_;
   }
 
   /// Issues the buckets that grad_ready or a released GradientBucket has completed, if the next one in bucket order is.
@@ -1215,10 +1217,10 @@ class DataParallel {
 
   BucketView view(std::size_t b, float* grads) const {
     const Bucket& bucket = plan_.bucket(b);
-    void* param = param_bucket(b);
-    const void* shard = param == nullptr ? nullptr
-                                         : static_cast<unsigned char*>(param) +
-                                               static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
+    void* param = param_bucket(b);  // under sharded parameters none: a gather names its buffer
+    const void* shard = shards_params_ ? owned_params(b)
+                                       : static_cast<unsigned char*>(param) +
+                                             static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
     return {grads, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
