@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // tandem_memory: how much memory each rank holds under each policy, before any rank exists. For a model given by
 // its parameter count (--params) or its tensor list (--layout), a world size and a parameter dtype, it prints one
-// table: a row per (policy, storage), GB per rank by MemoryReport category, from tandem::estimate_memory (the figures
-// DataParallel::memory_report() gives on a rank), beside the ZeRO paper's closed form for the same partitioning.
-// Nothing is allocated and no GPU is needed. Exit codes: 0 done, 1 tandem rejected the configuration, 2 bad argument.
+// table: a row per (policy, storage, reduce dtype), GB per rank by MemoryReport category, from tandem::estimate_memory
+// (the figures DataParallel::memory_report() gives on a rank), beside the ZeRO paper's closed form for the same
+// partitioning. Nothing is allocated and no GPU is needed. Exit codes: 0 done, 1 tandem rejected the configuration, 2
+// bad argument.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -71,6 +72,10 @@ std::string usage() {
          ")\n"
          "  --storage user|owned|both  user: DataParallel over your buffers (TensorRef); owned: over TensorSpecs,\n"
          "                             tandem holds the storage (default both)\n"
+         "  --reduce-dtype fp32|bf16|fp16|both\n"
+         "                             the dtype gradients are reduced in (DataParallelOptions::reduce_dtype); both:\n"
+         "                             fp32 and the parameter dtype (the default; fp32 alone for fp32 parameters)\n"
+         "  --accumulation-steps K     micro-steps per optimizer step (default 1; above 1 the reduced shard is fp32)\n"
          "  --help                     this text\n";
 }
 
@@ -113,6 +118,7 @@ struct Args {
   OptimizerChoice optimizer = OptimizerChoice::adamw;
   tandem::DataParallelOptions options;
   std::vector<tandem::Storage> storages = {tandem::Storage::user, tandem::Storage::owned};
+  std::optional<tandem::DType> reduce;  ///< none: both (fp32 and the parameter dtype)
   bool help = false;
 };
 
@@ -127,7 +133,9 @@ Args parse(int argc, char** argv) {
                                           "--first-bucket-cap-mb",
                                           "--gradient-buffers",
                                           "--parameter-buffers",
-                                          "--storage"};
+                                          "--storage",
+                                          "--reduce-dtype",
+                                          "--accumulation-steps"};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -189,6 +197,20 @@ Args parse(int argc, char** argv) {
         a.storages = {tandem::Storage::user, tandem::Storage::owned};
       else
         throw usage_error("--storage expects user, owned or both, got '" + value + "'");
+    } else if (flag == "--reduce-dtype") {
+      if (value == "fp32")
+        a.reduce = tandem::DType::fp32;
+      else if (value == "bf16")
+        a.reduce = tandem::DType::bf16;
+      else if (value == "fp16")
+        a.reduce = tandem::DType::fp16;
+      else if (value == "both")
+        a.reduce.reset();
+      else
+        throw usage_error("--reduce-dtype expects fp32, bf16, fp16 or both, got '" + value + "'");
+    } else if (flag == "--accumulation-steps") {
+      a.options.accumulation_steps = static_cast<int>(parse_count(
+          flag, value, 1, static_cast<std::size_t>(std::numeric_limits<int>::max()), "a number of micro-steps >= 1"));
     }
   }
   if (!a.params && !a.layout) throw usage_error("give exactly one of --params N or --layout FILE");
@@ -215,12 +237,14 @@ struct Setup {
   int world = 1;
   tandem::DataParallelOptions options;
   std::vector<tandem::Storage> storages;
-  bool paper_applies = false;  ///< 16-bit parameters and AdamW: what the paper's K = 12 describes
+  std::vector<tandem::DType> reduces;  ///< DataParallelOptions::reduce_dtype, a row each
+  bool paper_applies = false;          ///< 16-bit parameters and AdamW: what the paper's K = 12 describes
 };
 
 struct Row {
   const char* policy;
   tandem::Storage storage;
+  tandem::DType reduce;
   tandem::MemoryReport report;
   std::optional<double> paper;  ///< bytes
 };
@@ -237,10 +261,14 @@ void add(Table& t, const Setup& s, const typename Opt::Options& optimizer, Paper
     // A policy that shards the parameters has no full copy to keep in the user's buffers: owned storage only.
     if (tandem::parameter_sharding_of<P> == tandem::ParameterSharding::sharded && storage == tandem::Storage::user)
       continue;
-    const tandem::MemoryReport r = tandem::estimate_memory<P, Opt>(s.tensors, s.world, storage, optimizer, s.options);
-    std::optional<double> paper;
-    if (s.paper_applies) paper = form.bytes(static_cast<double>(s.psi), static_cast<double>(s.world));
-    t.rows.push_back({P::name, storage, r, paper});
+    for (tandem::DType reduce : s.reduces) {
+      tandem::DataParallelOptions options = s.options;
+      options.reduce_dtype = reduce;
+      const tandem::MemoryReport r = tandem::estimate_memory<P, Opt>(s.tensors, s.world, storage, optimizer, options);
+      std::optional<double> paper;
+      if (s.paper_applies) paper = form.bytes(static_cast<double>(s.psi), static_cast<double>(s.world));
+      t.rows.push_back({P::name, storage, reduce, r, paper});
+    }
   }
 }
 
@@ -262,10 +290,12 @@ const char* storage_name(tandem::Storage s) { return s == tandem::Storage::user 
 
 void print(const Table& t, const Setup& s, const std::string& optimizer, const std::string& layout_line) {
   const tandem::DType dtype = s.tensors[0].dtype;
-  std::printf("tandem_memory: %zu parameters (%s), %d ranks, %s, buckets of %g MiB (the first %g MiB)", s.psi,
-              tandem::dtype_name(dtype), s.world, optimizer.c_str(),
-              static_cast<double>(s.options.bucket_cap_bytes) / mib,
-              static_cast<double>(s.options.first_bucket_cap_bytes) / mib);
+  std::printf(
+      "tandem_memory: %zu parameters (%s), %d ranks, %s, %d micro-step(s) per step, buckets of %g MiB (the first %g "
+      "MiB)",
+      s.psi, tandem::dtype_name(dtype), s.world, optimizer.c_str(), s.options.accumulation_steps,
+      static_cast<double>(s.options.bucket_cap_bytes) / mib,
+      static_cast<double>(s.options.first_bucket_cap_bytes) / mib);
   if (s.storages.back() == tandem::Storage::owned)
     std::printf(", %d gradient and %d parameter buffers", s.options.gradient_buffers, s.options.parameter_buffers);
   std::printf("\n%s\n", layout_line.c_str());
@@ -283,15 +313,17 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
     return std::string(s);
   };
   std::printf(
-      "| policy | storage | params | grads | master | optimizer state | model states | ZeRO paper | buckets | total |\n"
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| policy | storage | reduce | params | grads | master | optimizer state | model states | ZeRO paper | buckets | "
+      "total |\n"
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : t.rows) {
     const tandem::MemoryReport& m = r.report;
-    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.policy, storage_name(r.storage),
-                gb(static_cast<double>(m.params)).c_str(), gb(static_cast<double>(m.grads)).c_str(),
-                gb(static_cast<double>(m.master_weights)).c_str(), gb(static_cast<double>(m.optimizer_state)).c_str(),
-                gb(static_cast<double>(m.model_states())).c_str(), r.paper ? gb(*r.paper).c_str() : "-",
-                gb(static_cast<double>(m.buckets)).c_str(), gb(static_cast<double>(m.total())).c_str());
+    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.policy, storage_name(r.storage),
+                tandem::dtype_name(r.reduce), gb(static_cast<double>(m.params)).c_str(),
+                gb(static_cast<double>(m.grads)).c_str(), gb(static_cast<double>(m.master_weights)).c_str(),
+                gb(static_cast<double>(m.optimizer_state)).c_str(), gb(static_cast<double>(m.model_states())).c_str(),
+                r.paper ? gb(*r.paper).c_str() : "-", gb(static_cast<double>(m.buckets)).c_str(),
+                gb(static_cast<double>(m.total())).c_str());
   }
 
   std::printf("\n");
@@ -304,10 +336,17 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
   std::printf("Notes:\n");
   if (s.paper_applies)
     std::printf(
-        "- The paper's figures are the rows Replicated and OptimizerSharded with user storage (your 16-bit params\n"
-        "  and grads, 2Psi + 2Psi), GradientSharded and ParameterSharded with owned storage. Their reduced gradient\n"
-        "  shard is fp32 (4Psi/N, the paper counts 2Psi/N): 2Psi + 16Psi/N against 2Psi + 14Psi/N, and 18Psi/N\n"
-        "  against 16Psi/N.\n");
+        "- The paper's figures (16-bit gradients) are the rows Replicated and OptimizerSharded with user storage\n"
+        "  (your 16-bit params and grads, 2Psi + 2Psi), and GradientSharded and ParameterSharded with owned storage\n"
+        "  and a 16-bit reduce dtype. Reduced in fp32 (or with more than one micro-step per step), their reduced\n"
+        "  gradient shard is fp32 (4Psi/N, the paper counts 2Psi/N): 2Psi + 16Psi/N against 2Psi + 14Psi/N, and\n"
+        "  18Psi/N against 16Psi/N.\n");
+  for (tandem::DType reduce : s.reduces)
+    if (reduce != tandem::DType::fp32)
+      std::printf(
+          "- reduce %s: gradients are rounded into one bucket-sized %s buffer and reduced there (under buckets);\n"
+          "  with one micro-step per step the sharded policies keep their reduced shard in %s.\n",
+          tandem::dtype_name(reduce), tandem::dtype_name(reduce), tandem::dtype_name(reduce));
   for (tandem::Storage storage : s.storages) {
     if (storage == tandem::Storage::user)
       std::printf(
@@ -317,7 +356,7 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
       std::printf(
           "- owned storage: backward writes gradients straight into tandem's fp32 buckets, where they are reduced\n"
           "  and accumulated, so Replicated and OptimizerSharded keep full fp32 gradients (4Psi, %s);\n"
-          "  GradientSharded keeps its fp32 shard (4Psi/N) and reuses %d bucket buffers (under buckets);\n"
+          "  GradientSharded keeps its reduced shard (4Psi/N in fp32) and reuses %d bucket buffers (under buckets);\n"
           "  ParameterSharded keeps a shard of everything and gathers parameters into %d bucket buffers.\n",
           dtype == tandem::DType::fp32 ? "as your own would be" : "not 2Psi", s.options.gradient_buffers,
           s.options.parameter_buffers);
@@ -342,6 +381,12 @@ int run(const Args& a) {
   s.world = a.world;
   s.options = a.options;
   s.storages = a.storages;
+  if (a.reduce)
+    s.reduces = {*a.reduce};
+  else if (a.dtype == tandem::DType::fp32)
+    s.reduces = {tandem::DType::fp32};
+  else
+    s.reduces = {tandem::DType::fp32, a.dtype};
   std::string layout_line;
   if (a.params) {
     s.tensors = synthesize(*a.params, a.dtype);

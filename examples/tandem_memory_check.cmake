@@ -3,10 +3,10 @@
 # example_tandem_memory_* tests of examples/CMakeLists.txt):
 #
 #   cmake -DEXE=<tandem_memory> [-DEXPECT_RC=0] [-DEXPECT_LINES=n] [-DREGEX=<regex>] [-DTOLERANCE_PERCENT=5]
-#         [-DCHECKS=<policy>:<storage>:<column>:<GB>,...] -P tandem_memory_check.cmake -- <tandem_memory arguments>
+#         [-DCHECKS=<policy>:<storage>:<reduce>:<column>:<GB>,...] -P tandem_memory_check.cmake -- <arguments>
 #
 # REGEX is matched against stdout and stderr together; EXPECT_LINES counts their lines. Each check finds the table
-# row of <policy> and <storage> and the column headed <column>, and fails when the figure there is off <GB> by more
+# row of <policy>, <storage> and <reduce> (dtype) and the column headed <column>, and fails when the figure there is off <GB> by more
 # than TOLERANCE_PERCENT percent of <GB>. Figures are compared as integers of micro-GB (CMake has no floating point).
 cmake_minimum_required(VERSION 3.25)
 
@@ -73,7 +73,7 @@ if(DEFINED CHECKS)
   foreach(line IN LISTS lines)
     if(line MATCHES "^\\| policy \\|")
       cells(header "${line}")
-    elseif(line MATCHES "^\\| [A-Za-z]+ \\| (user|owned) \\|")
+    elseif(line MATCHES "^\\| [A-Za-z]+ \\| (user|owned) \\| [a-z0-9]+ \\|")
       list(APPEND rows "${line}")
     endif()
   endforeach()
@@ -83,13 +83,14 @@ if(DEFINED CHECKS)
   string(REPLACE "," ";" checks "${CHECKS}")
   set(failed OFF)
   foreach(check IN LISTS checks)
-    if(NOT check MATCHES "^([^:]+):([^:]+):([^:]+):([^:]+)$")
-      message(FATAL_ERROR "check '${check}' is not <policy>:<storage>:<column>:<GB>")
+    if(NOT check MATCHES "^([^:]+):([^:]+):([^:]+):([^:]+):([^:]+)$")
+      message(FATAL_ERROR "check '${check}' is not <policy>:<storage>:<reduce>:<column>:<GB>")
     endif()
     set(policy "${CMAKE_MATCH_1}")
     set(storage "${CMAKE_MATCH_2}")
-    set(column "${CMAKE_MATCH_3}")
-    set(expected "${CMAKE_MATCH_4}")
+    set(reduce "${CMAKE_MATCH_3}")
+    set(column "${CMAKE_MATCH_4}")
+    set(expected "${CMAKE_MATCH_5}")
     list(FIND header "${column}" index)
     if(index LESS 0)
       message(FATAL_ERROR "tandem_memory's table has no column '${column}' (columns: ${header})")
@@ -99,12 +100,13 @@ if(DEFINED CHECKS)
       cells(row_cells "${row}")
       list(GET row_cells 0 row_policy)
       list(GET row_cells 1 row_storage)
-      if(row_policy STREQUAL policy AND row_storage STREQUAL storage)
+      list(GET row_cells 2 row_reduce)
+      if(row_policy STREQUAL policy AND row_storage STREQUAL storage AND row_reduce STREQUAL reduce)
         list(GET row_cells ${index} actual)
       endif()
     endforeach()
     if(NOT DEFINED actual OR actual STREQUAL "")
-      message(FATAL_ERROR "tandem_memory's table has no row for ${policy} with ${storage} storage")
+      message(FATAL_ERROR "tandem_memory's table has no row for ${policy} with ${storage} storage, ${reduce} reduce")
     endif()
     to_micro(a "${actual}")
     to_micro(e "${expected}")
@@ -115,7 +117,7 @@ if(DEFINED CHECKS)
     math(EXPR off "${diff} * 100")
     math(EXPR allowed "${TOLERANCE_PERCENT} * ${e}")
     if(off GREATER allowed)
-      message(SEND_ERROR "${policy}, ${storage} storage, ${column}: ${actual} GB, expected ${expected} GB within "
+      message(SEND_ERROR "${policy}, ${storage} storage, ${reduce} reduce, ${column}: ${actual} GB, expected ${expected} GB within "
                          "${TOLERANCE_PERCENT}%")
       set(failed ON)
     else()

@@ -79,14 +79,14 @@ void print_row(const Row& row, double baseline_seconds) {
 void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny::TrainConfig& cfg) {
   std::ofstream out(path);
   if (!out) throw std::invalid_argument("cannot write --csv file '" + path + "'");
-  out << "policy,ranks,steps,global_batch,accumulation,precision,seconds,tokens_per_second,final_loss,eval_loss,"
-         "eval_accuracy,tandem_bytes_per_rank,model_state_bytes,buffer_bytes\n";
+  out << "policy,ranks,steps,global_batch,accumulation,precision,reduce_dtype,seconds,tokens_per_second,final_loss,"
+         "eval_loss,eval_accuracy,tandem_bytes_per_rank,model_state_bytes,buffer_bytes\n";
   for (const Row& row : rows)
     out << row.policy << ',' << row.ranks << ',' << cfg.steps << ',' << cfg.batch << ',' << cfg.accumulation << ','
-        << (cfg.precision == tiny::Precision::bf16 ? "bf16" : "fp32") << ',' << row.result.seconds << ','
-        << row.result.tokens_per_second() << ',' << row.result.final_loss << ',' << row.result.eval_loss << ','
-        << row.result.eval_accuracy << ',' << row.result.memory.total() << ',' << row.result.memory.model_states()
-        << ',' << row.result.memory.buckets << '\n';
+        << (cfg.precision == tiny::Precision::bf16 ? "bf16" : "fp32") << ',' << tandem::dtype_name(cfg.reduce_dtype)
+        << ',' << row.result.seconds << ',' << row.result.tokens_per_second() << ',' << row.result.final_loss << ','
+        << row.result.eval_loss << ',' << row.result.eval_accuracy << ',' << row.result.memory.total() << ','
+        << row.result.memory.model_states() << ',' << row.result.memory.buckets << '\n';
 }
 
 /// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   std::string text_path, csv_path, backend;  // backend: "" chooses (cuda when enough GPUs exist, else host)
   int ranks = 2, epochs = 0, context = 128, eval_examples = 2048;
   bool compare = false, bf16 = false, blas_info = false, blas_self_test = false;
-  std::string blas_core = "auto";
+  std::string blas_core = "auto", reduce_dtype = "fp32";
   tiny::PolicyKind policy = tiny::PolicyKind::replicated;
   const std::map<std::string, tiny::PolicyKind> policies{{"replicated", tiny::PolicyKind::replicated},
                                                          {"optimizer-sharded", tiny::PolicyKind::optimizer_sharded},
@@ -157,6 +157,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights");
   app.add_flag("--bf16", bf16, "bf16 parameters and gradients (fp32 master weights in tandem)");
+  app.add_option("--reduce-dtype", reduce_dtype,
+                 "the dtype gradients cross ranks in: fp32, or bf16 for half the bytes (micro-steps accumulate in "
+                 "fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table");
   app.add_option("--csv", csv_path, "also write the results to this CSV file");
   app.add_option("--blas-core", blas_core,
@@ -228,6 +233,7 @@ int main(int argc, char** argv) {
           "--backend host");
 #endif
     cfg.precision = bf16 ? tiny::Precision::bf16 : tiny::Precision::fp32;
+    cfg.reduce_dtype = reduce_dtype == "bf16" ? tandem::DType::bf16 : tandem::DType::fp32;
     tiny::Task task;
     if (!text_path.empty()) {
       auto [train, eval] = tiny::make_text_examples(tiny::read_file(text_path), context);
@@ -257,8 +263,8 @@ int main(int argc, char** argv) {
     std::printf("model: %d layers, width %d, %d heads, MLP %dx, vocab %d: %zu parameters (%s)\n", cfg.model.layers,
                 cfg.model.width, cfg.model.heads, cfg.model.mlp_ratio, cfg.model.vocab, probe.num_parameters(),
                 bf16 ? "bf16, fp32 master" : "fp32");
-    std::printf("training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, %s\n\n", cfg.steps,
-                cfg.batch, cfg.accumulation, double(cfg.lr),
+    std::printf("training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, %s reduction, %s\n\n",
+                cfg.steps, cfg.batch, cfg.accumulation, double(cfg.lr), tandem::dtype_name(cfg.reduce_dtype),
                 cuda ? "one GPU per rank (cuBLAS, NCCL)" : "one BLAS thread per CPU rank");
 
     std::vector<Row> rows;

@@ -78,6 +78,8 @@ struct TrainConfig {
   float max_grad_norm = 1.0f;
   std::uint64_t seed = 1;
   Precision precision = Precision::fp32;
+  /// The dtype gradients cross ranks in (tandem's reduce_dtype): fp32, or bf16 for half the bytes.
+  tandem::DType reduce_dtype = tandem::DType::fp32;
   int eval_batch = 64;    ///< examples per evaluation forward pass
   int untimed_steps = 0;  ///< the first steps are left out of the throughput (buffers' first touch, caches)
 };
@@ -288,8 +290,10 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   const int local = cfg.batch / cfg.accumulation / world;
   model.reserve(std::max(local, cfg.eval_batch), len);
 
-  tandem::DataParallelOptions options{
-      .accumulation_steps = cfg.accumulation, .max_grad_norm = cfg.max_grad_norm, .stream = dev.stream()};
+  tandem::DataParallelOptions options{.accumulation_steps = cfg.accumulation,
+                                      .max_grad_norm = cfg.max_grad_norm,
+                                      .reduce_dtype = cfg.reduce_dtype,  // tandem: gradients cross ranks in this dtype
+                                      .stream = dev.stream()};
   if constexpr (owned) {
     // A bucket is gathered whole, so buckets of about an eighth of the model: a pass holds a few at a time.
     options.bucket_cap_bytes = options.first_bucket_cap_bytes = std::max<std::size_t>(4096, numel * sizeof(float) / 8);

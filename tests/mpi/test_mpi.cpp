@@ -290,6 +290,17 @@ TEST_CASE("DataParallel over Mpi: bf16 parameters, SGD, gradient accumulation") 
   check_training<tandem::ParameterSharded, tandem::SGD, tandem::BFloat16>(setup, sgd);
 }
 
+TEST_CASE("DataParallel over Mpi: gradients reduced in bf16 and fp16 (DataParallelOptions::reduce_dtype)") {
+  test::TrainSetup setup;
+  setup.reduce_dtype = tandem::DType::bf16;
+  check_training<tandem::Replicated, tandem::AdamW, float>(setup, adamw);
+  check_training<tandem::ParameterSharded, tandem::AdamW, float>(setup, adamw);
+  setup.reduce_dtype = tandem::DType::fp16;
+  setup.accumulation = 2;
+  check_training<tandem::OptimizerSharded, tandem::SGD, tandem::BFloat16>(setup, sgd);
+  check_training<tandem::GradientSharded, tandem::SGD, float>(setup, sgd);
+}
+
 TEST_CASE("unequal batches: all_ranks_have_batch stops every rank after the shortest rank's batches") {
   const test::TrainSetup setup;
   const mlp::Dataset data = test::make_dataset(setup);

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // One rank's data-parallel training of the MLP example over any communicator: the body the multi-process tests
 // (tests/mpi/) and the unequal-batches tests share, so that a run over Mpi and a run over LocalGroup execute the
-// same code and can be compared bit for bit. Under a policy that shards the parameters it trains on owned storage:
+// same code and can be compared bit for bit. Under a policy that shards the parameters (or when the setup asks) it
+// trains on owned storage:
 // each micro-step's forward reads every bucket's parameters into the model through parameters(b) (last bucket first,
 // the next one prefetched), and backward writes each bucket's gradients through gradients(b).
 #pragma once
@@ -21,12 +22,15 @@ namespace test {
 
 /// What one training run is: the model, the data, the schedule.
 struct TrainSetup {
-  std::vector<int> dims = {13, 37, 29, 23, 19, 7};  // 11 tensors, odd sizes
-  int global_batch = 24;                            // samples per micro-step over all ranks; divisible by 1-4
-  int steps = 12;                                   // optimizer steps
-  int accumulation = 1;                             // micro-steps per optimizer step
-  std::size_t bucket_cap_bytes = 2048;              // small: many buckets, tensors straddling shards
-  std::uint64_t seed = 42;                          // rank r initialises with seed + 1000 r; broadcast fixes it
+  std::vector<int> dims = {13, 37, 29, 23, 19, 7};   // 11 tensors, odd sizes
+  int global_batch = 24;                             // samples per micro-step over all ranks; divisible by 1-4
+  int steps = 12;                                    // optimizer steps
+  int accumulation = 1;                              // micro-steps per optimizer step
+  std::size_t bucket_cap_bytes = 2048;               // small: many buckets, tensors straddling shards
+  std::uint64_t seed = 42;                           // rank r initialises with seed + 1000 r; broadcast fixes it
+  tandem::DType reduce_dtype = tandem::DType::fp32;  // DataParallelOptions::reduce_dtype
+  float max_grad_norm = 0.0f;                        // DataParallelOptions::max_grad_norm
+  bool owned = false;                                // owned storage under every policy (always when it shards params)
 };
 
 /// The synthetic task, large enough for `setup`.
@@ -42,25 +46,26 @@ using StepHook = std::function<void(int, int)>;
 template <class Policy, class Optimizer, class T, class Comm>
 Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
                   const typename Optimizer::Options& options, const StepHook& hook = {}) {
-  constexpr bool owned = tandem::parameter_sharding_of<Policy> == tandem::ParameterSharding::sharded;
+  constexpr bool sharded = tandem::parameter_sharding_of<Policy> == tandem::ParameterSharding::sharded;
+  const bool owned = sharded || setup.owned;
   mlp::Mlp<T> model(setup.dims, setup.seed + static_cast<std::uint64_t>(comm.rank()) * 1000);
   const tandem::DataParallelOptions dpo{.bucket_cap_bytes = setup.bucket_cap_bytes,
                                         .first_bucket_cap_bytes = setup.bucket_cap_bytes / 2,
-                                        .accumulation_steps = setup.accumulation};
+                                        .accumulation_steps = setup.accumulation,
+                                        .max_grad_norm = setup.max_grad_norm,
+                                        .reduce_dtype = setup.reduce_dtype};
   auto make = [&] {
-    if constexpr (owned) {
-      std::vector<tandem::TensorSpec> specs;
-      for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
-      return test::DataParallel<Policy, Optimizer, Comm>(comm, std::move(specs), options, dpo);
-    } else {
-      return test::DataParallel<Policy, Optimizer, Comm>(comm, model.tensors(), options, dpo);
-    }
+    if constexpr (!sharded)
+      if (!owned) return test::DataParallel<Policy, Optimizer, Comm>(comm, model.tensors(), options, dpo);
+    std::vector<tandem::TensorSpec> specs;
+    for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
+    return test::DataParallel<Policy, Optimizer, Comm>(comm, std::move(specs), options, dpo);
   };
   auto dp = make();
-  if constexpr (owned)
+  if (owned)
     dp.template initialize_parameters<T>(
         [&](std::size_t i, T* values) { std::copy(model.params()[i].begin(), model.params()[i].end(), values); });
-  else
+  else if constexpr (!sharded)
     dp.broadcast_parameters(0);
   const std::size_t buckets = dp.num_buckets();
   const int local = setup.global_batch / comm.size();
@@ -68,7 +73,7 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
     for (int micro = 0; micro < setup.accumulation; ++micro) {
       if (hook) hook(step, micro);
       const int begin = (step * setup.accumulation + micro) * setup.global_batch + comm.rank() * local;
-      if constexpr (owned)
+      if (owned)
         for (std::size_t b = buckets; b-- > 0;) {
           auto params = dp.parameters(b);
           if (b > 0) dp.prefetch_parameters(b - 1);
@@ -76,7 +81,7 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
             std::copy_n(params.template param<T>(i), model.params()[i].size(), model.params()[i].begin());
         }
       model.forward_backward(data, begin, local);
-      if constexpr (owned)
+      if (owned)
         for (std::size_t b = 0; b < buckets; ++b) {
           auto grads = dp.gradients(b);
           for (std::size_t i : grads.tensors())
@@ -86,7 +91,7 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
       dp.step();
     }
   }
-  if constexpr (owned)
+  if (owned)
     for (std::size_t b = 0; b < buckets; ++b) {  // the final parameters (collective)
       auto params = dp.parameters(b);
       for (std::size_t i : params.tensors())

@@ -16,8 +16,12 @@
 //   grad_flat   F  fp32              GradientReduction::at_boundary: gradients accumulated across micro-steps
 //   staging     M  fp32              GradientReduction::every_micro_step with the user's storage
 //   grad_slots  K×M fp32             GradientReduction::every_micro_step with owned storage: K reused bucket buffers
-//   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator
-// Which of them exist and how large is the policy's buffer rule (P::buffers); this file allocates what it says.
+//   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator (in the
+//                                    16-bit reduce dtype where accumulation_steps is 1: nothing adds into it)
+//   reduce      M  reduce dtype      a 16-bit DataParallelOptions::reduce_dtype: a bucket's gradients rounded and
+//                                    reduced here, the owned range then read back into fp32
+// Which of them exist and how large is the policy's buffer rule with the front's own (buffers_for<P>); this file
+// allocates what it says.
 // With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat and
 // grad_flat or a gradient slot, and pack/unpack disappear. A bucket's gradients are written through a GradientBucket
 // (gradients(b)): under GradientSharded it holds one of the K slots from when it is opened until the bucket has been
@@ -422,7 +426,9 @@ class DataParallel {
                        .grad_slots = slot_size_ == 0 ? 0 : grad_slots_.bytes() / f / slot_size_,
                        .grad_slot_size = slot_size_,
                        .staging = staging_.bytes() / f,
-                       .grad_shard = grad_shard_.bytes() / f};
+                       .grad_shard = grad_shard_.bytes() / dtype_size(shard_dtype_),
+                       .comm = reduce_buf_.bytes() / dtype_size(options_.reduce_dtype),
+                       .grad_shard_dtype = shard_dtype_};
     const std::size_t arrays = (state_[0].data() != nullptr ? 1 : 0) + (state_[1].data() != nullptr ? 1 : 0);
     return memory_of(held, buffer_inputs(), layout_.total_numel(), arrays);
   }
@@ -954,9 +960,9 @@ class DataParallel {
         if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
         send = bucket_grads(b);
       }
-      P::reduce_gradients(comm_, view(b, send));
-      const float* mine = send + static_cast<std::size_t>(rank_) * bucket.shard_size;
-      cast(mine, grad_shard_.data() + bucket.shard_offset, bucket.shard_size, mode);
+      const Grads mine = reduce(b, send);
+      land(mine, {grad_shard_.data() + bucket.shard_offset * dtype_size(shard_dtype_), shard_dtype_}, bucket.shard_size,
+           mode);
       if (storage_ == Storage::owned) {  // the slot is zero again, and free for the next bucket
         const std::size_t slot = slots_.slot_of(b);
         backend_.zero(send, bucket.size * sizeof(float), work_stream());
@@ -966,8 +972,55 @@ class DataParallel {
     } else {
       float* grads = grad_flat_.data() + bucket.offset;
       if (storage_ == Storage::user) pack_grads(scope, b, grads, mode, pack_scale);
-      if (boundary) P::reduce_gradients(comm_, view(b, grads));
+      if (!boundary) return;
+      const Grads mine = reduce(b, grads);
+      if (mine.dtype != DType::fp32)
+        land(mine, {grads + (owned_range(b).begin - bucket.offset), DType::fp32}, owned_range(b).size(),
+             WriteMode::assign);
     }
+  }
+
+  /// Gradients of some range, and their dtype.
+  struct Grads {
+    const void* data;
+    DType dtype;
+  };
+
+  /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
+  /// rounded into reduce_buf_ and reduced there (grads keep their values).
+  Grads reduce(std::size_t b, float* grads) {
+    const Bucket& bucket = plan_.bucket(b);
+    const std::size_t own = owned_range(b).begin - bucket.offset;
+    if (options_.reduce_dtype == DType::fp32) {
+      P::reduce_gradients(comm_, view(b, grads));
+      return {grads + own, DType::fp32};
+    }
+    return visit_param_dtype(options_.reduce_dtype, [&](auto tag) -> Grads {
+      using R = decltype(tag);
+      R* wire = reinterpret_cast<R*>(reduce_buf_.data());
+      backend_.launch(cast_items(bucket.size), CastBody<float, R>{grads, wire, bucket.size, 1.0f}, work_stream());
+      P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
+      return {wire + own, options_.reduce_dtype};
+    });
+  }
+
+  /// to = (or +=) the reduced values `from`, n elements: into fp32, or copied into a shard of their own 16-bit dtype
+  /// (buffers_for keeps the shard 16-bit only where nothing accumulates into it).
+  void land(const Grads& from, const Grads& to, std::size_t n, WriteMode mode) {
+    visit_param_dtype(from.dtype, [&](auto tag) {
+      using R = decltype(tag);
+      const R* src = static_cast<const R*>(from.data);
+      if (to.dtype != DType::fp32) {
+        R* dst = static_cast<R*>(const_cast<void*>(to.data));
+        backend_.launch(cast_items(n), CastBody<R, R>{src, dst, n, 1.0f}, work_stream());
+        return;
+      }
+      float* dst = static_cast<float*>(const_cast<void*>(to.data));
+      if (mode == WriteMode::assign)
+        backend_.launch(cast_items(n), CastBody<R, float, WriteMode::assign>{src, dst, n, 1.0f}, work_stream());
+      else
+        backend_.launch(cast_items(n), CastBody<R, float, WriteMode::accumulate>{src, dst, n, 1.0f}, work_stream());
+    });
   }
 
   std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
@@ -1101,7 +1154,7 @@ class DataParallel {
   /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
   TANDEM_COLD void agree_across_ranks(const std::string& problem) {
     all_ranks_succeed(problem);
-    constexpr std::size_t words = 13;
+    constexpr std::size_t words = 14;
     std::vector<std::uint64_t> mine(words, 0);
     mine[0] = layout_.fingerprint();
     mine[1] = layout_.size();
@@ -1117,6 +1170,7 @@ class DataParallel {
     mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
     mine[11] = static_cast<std::uint64_t>(options_.gradient_buffers);
     mine[12] = static_cast<std::uint64_t>(options_.parameter_buffers);
+    mine[13] = static_cast<std::uint64_t>(options_.reduce_dtype);
     const std::vector<std::uint64_t> all = all_gather_words(mine);
     const std::uint64_t* w0 = all.data();
     for (int r = 1; r < world_; ++r) {
@@ -1130,18 +1184,17 @@ class DataParallel {
       if (!std::equal(w0 + 3, w0 + words, w + 3))
         detail::fail("tandem: ranks 0 and " + std::to_string(r) +
                      " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size, max_grad_norm, non_finite, gradient_buffers or "
-                     "parameter_buffers); every rank "
-                     "must use the same configuration");
+                     "bucket caps, storage, world size, max_grad_norm, non_finite, gradient_buffers, "
+                     "parameter_buffers or reduce_dtype); every rank must use the same configuration");
     }
   }
 
   BufferInputs buffer_inputs() const { return detail::buffer_inputs(plan_, pdtype_, storage_, options_); }
 
-  /// Allocates the buffers the policy's rule asks for (P::buffers); memory_report() counts them.
+  /// Allocates the buffers the policy's rule and the front ask for (buffers_for<P>); memory_report() counts them.
   TANDEM_COLD void allocate() {
     state_count_ = Opt::state_count(optimizer_);
-    const Buffers need = P::buffers(buffer_inputs());
+    const Buffers need = buffers_for<P>(buffer_inputs());
     auto zeroed = [&](auto& buffer, std::size_t n) {
       using T = std::remove_pointer_t<decltype(buffer.data())>;
       if (n == 0) return;
@@ -1163,7 +1216,11 @@ class DataParallel {
     zeroed(grad_flat_, need.grad_flat);
     zeroed(staging_, need.staging);
     zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
-    if (need.grad_shard != 0) grad_shard_ = backend_.template allocate<float>(need.grad_shard);
+    shard_dtype_ = need.grad_shard_dtype;
+    if (need.grad_shard != 0)
+      grad_shard_ = backend_.template allocate<unsigned char>(need.grad_shard * dtype_size(shard_dtype_));
+    if (need.comm != 0)
+      reduce_buf_ = backend_.template allocate<unsigned char>(need.comm * dtype_size(options_.reduce_dtype));
     slot_size_ = need.grad_slot_size;
     slots_ = detail::SlotPool(need.grad_slots, plan_.num_buckets());
     for (std::size_t k = 0; k < need.grad_slots; ++k) slot_events_.push_back(backend_.make_event());
@@ -1215,13 +1272,13 @@ class DataParallel {
     return static_cast<unsigned char*>(param_flat_.data()) + owned_range(b).begin * psize_;
   }
 
-  BucketView view(std::size_t b, float* grads) const {
+  BucketView view(std::size_t b, void* grads, DType grad_dtype = DType::fp32) const {
     const Bucket& bucket = plan_.bucket(b);
     void* param = param_bucket(b);  // under sharded parameters none: a gather names its buffer
     const void* shard = shards_params_ ? owned_params(b)
                                        : static_cast<unsigned char*>(param) +
                                              static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
-    return {grads, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
+    return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
   StoreHint hint(std::size_t b, std::size_t element_bytes) const {
@@ -1267,13 +1324,6 @@ class DataParallel {
     });
   }
 
-  void cast(const float* src, float* dst, std::size_t n, WriteMode mode) {
-    if (mode == WriteMode::assign)
-      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::assign>{src, dst, n, 1.0f}, work_stream());
-    else
-      backend_.launch(cast_items(n), CastBody<float, float, WriteMode::accumulate>{src, dst, n, 1.0f}, work_stream());
-  }
-
   /// The owned flat range of bucket b, and where it starts in the owned (master/state) space.
   Range owned_range(std::size_t b) const {
     const Bucket& bucket = plan_.bucket(b);
@@ -1285,10 +1335,10 @@ class DataParallel {
   }
 
   /// The reduced gradients of bucket b's owned range (where the update reads them).
-  const float* owned_grads(std::size_t b) const {
+  Grads owned_grads(std::size_t b) const {
     if constexpr (P::reduction == GradientReduction::every_micro_step)
-      return grad_shard_.data() + plan_.bucket(b).shard_offset;
-    return grad_flat_.data() + owned_range(b).begin;
+      return {grad_shard_.data() + plan_.bucket(b).shard_offset * dtype_size(shard_dtype_), shard_dtype_};
+    return {grad_flat_.data() + owned_range(b).begin, DType::fp32};
   }
 
   /// The squared global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in
@@ -1307,10 +1357,14 @@ class DataParallel {
     for (std::size_t g = 0; g < ranks; ++g)
       for (std::size_t b = 0; b < buckets; ++b) {
         const std::size_t n = plan_.bucket(b).shard_size;
-        const float* x = owned_grads(b);
-        if (P::state == StateSharding::replicated) x += g * n;
-        backend_.sum_to(sum_squares_items(n), SumSquaresBody{x, n}, norm_terms_.data() + g * buckets + b,
-                        work_stream());
+        const Grads grads = owned_grads(b);
+        visit_param_dtype(grads.dtype, [&](auto tag) {
+          using G = decltype(tag);
+          const G* x = static_cast<const G*>(grads.data);
+          if (P::state == StateSharding::replicated) x += g * n;
+          backend_.sum_to(sum_squares_items(n), SumSquaresBody{x, n}, norm_terms_.data() + g * buckets + b,
+                          work_stream());
+        });
       }
     backend_.launch(1, OrderedSumBody{norm_terms_.data(), ranks, buckets, total}, work_stream());
     if (P::state != StateSharding::replicated)
@@ -1336,16 +1390,21 @@ class DataParallel {
 
   void update(const StreamScope&, std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
     const Range r = owned_range(b);
-    visit_param_dtype(pdtype_, [&](auto tag) {
-      using T = decltype(tag);
-      UpdateArgs<T> a;
-      a.param = static_cast<T*>(owned_params(b));
-      a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
-      a.grad = owned_grads(b);
-      for (std::size_t k = 0; k < 2; ++k) a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
-      a.n = r.size();
-      a.grad_scale = grad_scale;
-      backend_.launch(update_items(a.n), typename Opt::template Body<T>{a, scalars}, work_stream());
+    const Grads grads = owned_grads(b);
+    visit_param_dtype(pdtype_, [&](auto ptag) {
+      visit_param_dtype(grads.dtype, [&](auto gtag) {
+        using T = decltype(ptag);
+        using G = decltype(gtag);
+        UpdateArgs<T, G> a;
+        a.param = static_cast<T*>(owned_params(b));
+        a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
+        a.grad = static_cast<const G*>(grads.data);
+        for (std::size_t k = 0; k < 2; ++k)
+          a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
+        a.n = r.size();
+        a.grad_scale = grad_scale;
+        backend_.launch(update_items(a.n), typename Opt::template Body<T, G>{a, scalars}, work_stream());
+      });
     });
   }
 
@@ -1379,7 +1438,9 @@ class DataParallel {
   Buffer<float> grad_flat_;
   Buffer<float> staging_;
   Buffer<float> grad_slots_;
-  Buffer<float> grad_shard_;
+  Buffer<unsigned char> grad_shard_;
+  DType shard_dtype_ = DType::fp32;                   ///< grad_shard_'s elements
+  Buffer<unsigned char> reduce_buf_;                  ///< one bucket in the reduce dtype (16-bit reductions only)
   std::size_t slot_size_ = 0;                         ///< elements per gradient slot
   detail::SlotPool slots_;                            ///< which gradient slot each bucket holds in this micro-step
   std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again

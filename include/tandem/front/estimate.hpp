@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The memory estimator: the MemoryReport that DataParallel<P, Opt> would report on one rank, computed from the
 // tensor list alone. It cuts the same plan (detail::plan_for, public as bucket_plan) and applies the policy's buffer
-// rule (P::buffers) and the one categorisation (memory_of), allocating nothing, so it answers "does this fit?" for any
-// world size before any rank exists. tests/test_memory_report.cpp holds it equal to memory_report() of real
+// rule (buffers_for<P>) and the one categorisation (memory_of), allocating nothing, so it answers "does this fit?" for
+// any world size before any rank exists. tests/test_memory_report.cpp holds it equal to memory_report() of real
 // constructions.
 #pragma once
 
@@ -43,7 +43,7 @@ TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int wo
   for (const TensorSpec& t : tensors) numel += t.numel;
   const Plan plan = bucket_plan(std::move(tensors), world_size, options);
   const BufferInputs in = detail::buffer_inputs(plan, dtype, storage, options);
-  return memory_of(P::buffers(in), in, numel, Opt::state_count(optimizer));
+  return memory_of(buffers_for<P>(in), in, numel, Opt::state_count(optimizer));
 }
 
 }  // namespace tandem

@@ -39,6 +39,12 @@ struct DataParallelOptions {
   /// into while a pass uses them (parameters(b)) or after prefetch_parameters(b); two let one bucket's gather overlap
   /// the use of another.
   int parameter_buffers = 2;
+  /// The dtype gradients cross ranks in: fp32, or bf16 / fp16 for half the bytes (PyTorch FSDP's reduce_dtype). With a
+  /// 16-bit dtype, each bucket's fp32 gradients are rounded into a bucket-sized buffer, reduced there (the
+  /// communicator adds in fp32 and rounds once), and read back into fp32; micro-steps still accumulate in fp32, and
+  /// master weights and optimizer maths stay fp32. fp16 overflows above 65504 (no loss scaling here); bf16 keeps
+  /// fp32's range with 8 bits of mantissa.
+  DType reduce_dtype = DType::fp32;
   Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };
 
@@ -60,6 +66,10 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
   if (options.parameter_buffers < 1)
     fail("tandem: DataParallelOptions::parameter_buffers is " + std::to_string(options.parameter_buffers) +
          "; it must be at least 1");
+  if (const DType r = options.reduce_dtype; r != DType::fp32 && r != DType::bf16 && r != DType::fp16)
+    fail(std::string("tandem: DataParallelOptions::reduce_dtype is ") +
+         (r == DType::fp64 ? "fp64" : "DType " + std::to_string(static_cast<int>(r))) +
+         "; gradients are reduced in fp32, bf16 or fp16");
 }
 
 /// Throws tandem::error unless every tensor has the first one's dtype (one DataParallel per parameter dtype).
@@ -90,8 +100,13 @@ inline Plan plan_for(const Layout& layout, const DataParallelOptions& options, i
 /// What a policy's buffer rule (P::buffers) reads, from the plan and the options fixed at construction.
 inline BufferInputs buffer_inputs(const Plan& plan, DType param_dtype, Storage storage,
                                   const DataParallelOptions& options) {
-  return {plan, param_dtype, storage, static_cast<std::size_t>(options.gradient_buffers),
-          static_cast<std::size_t>(options.parameter_buffers)};
+  return {plan,
+          param_dtype,
+          storage,
+          static_cast<std::size_t>(options.gradient_buffers),
+          static_cast<std::size_t>(options.parameter_buffers),
+          options.reduce_dtype,
+          options.accumulation_steps};
 }
 
 }  // namespace detail

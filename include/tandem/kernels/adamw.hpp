@@ -74,15 +74,15 @@ struct AdamW {
             static_cast<float>(1.0 / std::sqrt(bc2))};
   }
 
-  template <class P>
+  template <class P, class G = float>
   struct Body {
-    UpdateArgs<P> a;
+    UpdateArgs<P, G> a;
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
       using detail::div_rn, detail::mul_rn, detail::sqrt_rn;
       detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
-        const float g = mul_rn(a.grad_scale, a.grad[i]);
+        const float g = mul_rn(a.grad_scale, static_cast<float>(a.grad[i]));
         float& m = a.state[0][i];
         float& v = a.state[1][i];
         float w = mul_rn(a.master[i], s.decay);

@@ -3,8 +3,9 @@
 // rank owns), its chunking into work items, and the concept an optimizer type satisfies.
 //
 // Data layout: element i of the range has an fp32 master weight master[i] (for fp32 parameters this is the
-// parameter itself, so param == master), a gradient grad[i] (fp32, already averaged over ranks; multiplied
-// by grad_scale on read, which carries clipping and any deferred averaging) and up to two fp32 state
+// parameter itself, so param == master), a gradient grad[i] (already reduced over ranks; of type G: fp32, or the
+// 16-bit reduce dtype where the reduced shard stays in it; read as float and multiplied by grad_scale, which
+// carries clipping and any deferred averaging) and up to two fp32 state
 // elements state[0][i], state[1][i]. The updated weight is written to master[i] and, cast, to param[i]. Bodies
 // follow the rounding rule of kernels/detail/rounding.hpp, so an update gives the same bits on host and device.
 #pragma once
@@ -26,11 +27,11 @@ inline constexpr std::size_t update_chunk_elements = 4096;
 /// Whether SGD uses Nesterov momentum.
 enum class Nesterov { off, on };
 
-template <class P>
+template <class P, class G = float>
 struct UpdateArgs {
   float* master = nullptr;  ///< fp32 weights (== param for fp32 parameters)
   P* param = nullptr;       ///< parameter-dtype copy that is gathered and unpacked
-  const float* grad = nullptr;
+  const G* grad = nullptr;
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
   float grad_scale = 1.0f;
@@ -70,7 +71,8 @@ TANDEM_HD inline void for_each_update_element(std::size_t item, unsigned lane, u
 }  // namespace detail
 
 /// An optimizer type: its options, how much fp32 state it keeps per element, a validation of its options,
-/// the per-step scalars computed on the host, and a body templated on the parameter type.
+/// the per-step scalars computed on the host, and a body templated on the parameter type and the gradient type
+/// (Body<P, G = float>, over UpdateArgs<P, G>).
 template <class O>
 concept Optimizer = requires(const typename O::Options& options, std::uint64_t step) {
   { O::name } -> std::convertible_to<const char*>;
@@ -79,6 +81,7 @@ concept Optimizer = requires(const typename O::Options& options, std::uint64_t s
   { O::fingerprint(options) } -> std::convertible_to<std::uint64_t>;
   { O::scalars(options, step) } -> std::same_as<typename O::Scalars>;
   typename O::template Body<float>;
+  typename O::template Body<float, float>;
   { O::elementwise } -> std::convertible_to<bool>;
 };
 

@@ -67,16 +67,16 @@ struct SGD {
     return {o.lr, o.momentum, o.dampening, o.weight_decay, t == 1, o.nesterov == Nesterov::on, o.momentum != 0.0f};
   }
 
-  template <class P>
+  template <class P, class G = float>
   struct Body {
-    UpdateArgs<P> a;
+    UpdateArgs<P, G> a;
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
       using detail::mul_rn;
       detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
         float w = a.master[i];
-        float g = mul_rn(a.grad_scale, a.grad[i]) + mul_rn(s.weight_decay, w);
+        float g = mul_rn(a.grad_scale, static_cast<float>(a.grad[i])) + mul_rn(s.weight_decay, w);
         if (s.has_momentum) {
           float& b = a.state[0][i];
           b = s.first_step ? g : mul_rn(s.momentum, b) + mul_rn(1.0f - s.dampening, g);

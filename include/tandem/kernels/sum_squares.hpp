@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Sum of squares of a flat fp32 range, for global-norm clipping. The range is cut into fixed chunks of
+// Sum of squares of a flat fp32 (or 16-bit) range, for global-norm clipping. The range is cut into fixed chunks of
 // sum_squares_chunk_elements; each work item returns its chunk's sum in double, and the backend adds the
 // chunk sums in item order. The chunking is fixed, so the result does not depend on how many threads run. Squares
 // follow the rounding rule (kernels/detail/rounding.hpp) like every body's products, although the square of a float is
@@ -19,8 +19,9 @@ constexpr std::size_t sum_squares_items(std::size_t n) {
   return (n + sum_squares_chunk_elements - 1) / sum_squares_chunk_elements;
 }
 
+template <class T = float>
 struct SumSquaresBody {
-  const float* x = nullptr;
+  const T* x = nullptr;
   std::size_t n = 0;
 
   /// The part of chunk `item` that lane `lane` of `lanes` owns; lane partials are added by the caller.
@@ -28,10 +29,15 @@ struct SumSquaresBody {
     const std::size_t begin = item * sum_squares_chunk_elements;
     const std::size_t end = begin + sum_squares_chunk_elements < n ? begin + sum_squares_chunk_elements : n;
     double s = 0.0;
-    for (std::size_t i = begin + lane; i < end; i += lanes) s += detail::mul_rn(double{x[i]}, double{x[i]});
+    for (std::size_t i = begin + lane; i < end; i += lanes) {
+      const double v = static_cast<float>(x[i]);
+      s += detail::mul_rn(v, v);
+    }
     return s;
   }
 };
+template <class T>
+SumSquaresBody(const T*, std::size_t) -> SumSquaresBody<T>;
 
 /// *out = sum over g of (sum over k of terms[g * per_group + k]), each sum from 0 in index order: how a global
 /// norm's per-(rank, bucket) terms are combined, on the device as on the host. One item; lane 0 does it all

@@ -14,8 +14,9 @@ namespace detail {
 struct ShardedCollectives {
   template <Communicator C>
   static void reduce_gradients(C& comm, const BucketView& b) {
-    float* mine = b.grad + static_cast<std::size_t>(b.rank) * b.shard_size;
-    comm.reduce_scatter(b.grad, mine, b.shard_size, DType::fp32, ReduceOp::sum, b.stream);
+    auto* base = static_cast<unsigned char*>(b.grad);
+    unsigned char* mine = base + static_cast<std::size_t>(b.rank) * b.shard_size * dtype_size(b.grad_dtype);
+    comm.reduce_scatter(base, mine, b.shard_size, b.grad_dtype, ReduceOp::sum, b.stream);
   }
 
   template <Communicator C>

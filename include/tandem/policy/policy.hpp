@@ -64,6 +64,8 @@ struct BufferInputs {
   Storage storage = Storage::user;
   std::size_t gradient_buffers = 0;   ///< DataParallelOptions::gradient_buffers
   std::size_t parameter_buffers = 0;  ///< DataParallelOptions::parameter_buffers
+  DType reduce_dtype = DType::fp32;   ///< DataParallelOptions::reduce_dtype
+  int accumulation_steps = 1;         ///< DataParallelOptions::accumulation_steps
 };
 
 /// The buffers one rank allocates, in elements (fp32 unless said). A zero means the buffer does not exist.
@@ -78,25 +80,28 @@ struct Buffers {
   std::size_t grad_slots = 0;  ///< reused bucket gradient buffers (owned storage under sharded gradients)
   std::size_t grad_slot_size = 0;
   std::size_t staging = 0;     ///< one bucket of packed gradients (the user's storage under sharded gradients)
-  std::size_t grad_shard = 0;  ///< the reduced-gradient shard accumulator
+  std::size_t grad_shard = 0;  ///< the reduced-gradient shard accumulator, in grad_shard_dtype
+  std::size_t comm = 0;  ///< reduce dtype: one bucket, where a 16-bit reduction happens (the front's, not a rule's)
+  DType grad_shard_dtype = DType::fp32;
 };
 
 /// The memory report of a set of buffers: the categories of MemoryReport, one rule for every policy. `numel` is the
 /// layout's element count (the user's buffers' size with Storage::user); `state_count` the optimizer's arrays.
 inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::size_t numel, std::size_t state_count) {
   const std::size_t p = dtype_size(in.param_dtype), f = sizeof(float);
+  const std::size_t shard = b.grad_shard * dtype_size(b.grad_shard_dtype);
   MemoryReport r;
   r.master_weights = b.master * f;
   r.optimizer_state = state_count * b.state * f;
-  const std::size_t transient =
-      (b.grad_slots * b.grad_slot_size + b.staging) * f + b.param_slots * b.param_slot_size * p;
+  const std::size_t transient = (b.grad_slots * b.grad_slot_size + b.staging) * f +
+                                b.param_slots * b.param_slot_size * p + b.comm * dtype_size(in.reduce_dtype);
   if (in.storage == Storage::user) {
     r.params = numel * p;
     r.grads = numel * p;
-    r.buckets = (b.param_flat + b.param_shard) * p + (b.grad_flat + b.grad_shard) * f + transient;
+    r.buckets = (b.param_flat + b.param_shard) * p + b.grad_flat * f + shard + transient;
   } else {
     r.params = (b.param_flat + b.param_shard) * p;
-    r.grads = (b.grad_flat + b.grad_shard) * f;
+    r.grads = b.grad_flat * f + shard;
     r.buckets = transient;
   }
   return r;
@@ -120,7 +125,10 @@ static_assert(Communicator<ArchetypeCommunicator>);
 
 /// One bucket as a policy's hooks see it.
 struct BucketView {
-  float* grad = nullptr;  ///< the bucket's fp32 gradients (size elements)
+  /// The bucket's gradients to reduce (size elements of grad_dtype): fp32, or DataParallelOptions::reduce_dtype's
+  /// copy of them. A reduction leaves the reduced sum in the owned range (all of it, or shard `rank`).
+  void* grad = nullptr;
+  DType grad_dtype = DType::fp32;
   void* param = nullptr;  ///< the bucket's parameters in the parameter dtype (size elements)
   /// This rank's shard of them (shard_size elements): inside `param` (at rank × shard_size) unless the policy shards
   /// the parameters, where it is the rank's own storage and `param` a buffer to gather the bucket into.
@@ -141,6 +149,19 @@ concept Policy = requires(detail::ArchetypeCommunicator& comm, const BucketView&
   P::gather_parameters(comm, bucket);
   { P::buffers(in) } -> std::same_as<Buffers>;
 };
+
+/// What a rank allocates under policy P: the policy's buffer rule, and what a 16-bit DataParallelOptions::reduce_dtype
+/// changes in it: the front's own reduce buffer (one bucket: reductions run one after another on one stream), and a
+/// reduced-gradient shard that no second micro-step adds into (accumulation_steps 1) keeps the reduced values in the
+/// reduce dtype, as the ZeRO paper's 16-bit gradients (2 bytes per element of the shard instead of 4).
+template <Policy P>
+Buffers buffers_for(const BufferInputs& in) {
+  Buffers b = P::buffers(in);
+  if (in.reduce_dtype == DType::fp32) return b;
+  b.comm = in.plan.max_bucket_size();
+  if (b.grad_shard != 0 && in.accumulation_steps == 1) b.grad_shard_dtype = in.reduce_dtype;
+  return b;
+}
 
 /// Who keeps a policy's parameters: its `parameters` trait, replicated for a policy that has none.
 template <Policy P>

@@ -14,7 +14,7 @@ struct Replicated {
 
   template <Communicator C>
   static void reduce_gradients(C& comm, const BucketView& b) {
-    comm.all_reduce(b.grad, b.grad, b.size, DType::fp32, ReduceOp::sum, b.stream);
+    comm.all_reduce(b.grad, b.grad, b.size, b.grad_dtype, ReduceOp::sum, b.stream);
   }
 
   template <Communicator C>
