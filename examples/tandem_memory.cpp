@@ -108,6 +108,13 @@ std::size_t parse_mib(const std::string& flag, const std::string& text) {
   return static_cast<std::size_t>(std::llround(v * mib));
 }
 
+/// "fp32", "bf16" or "fp16" as a DType; none for anything else.
+std::optional<tandem::DType> dtype_named(const std::string& name) {
+  for (tandem::DType d : {tandem::DType::fp32, tandem::DType::bf16, tandem::DType::fp16})
+    if (name == tandem::dtype_name(d)) return d;
+  return std::nullopt;
+}
+
 enum class OptimizerChoice { adamw, sgd, sgd_momentum };
 
 struct Args {
@@ -161,14 +168,9 @@ Args parse(int argc, char** argv) {
       a.world = static_cast<int>(parse_count(flag, value, 1, static_cast<std::size_t>(std::numeric_limits<int>::max()),
                                              "a number of ranks >= 1"));
     } else if (flag == "--dtype") {
-      if (value == "fp32")
-        a.dtype = tandem::DType::fp32;
-      else if (value == "bf16")
-        a.dtype = tandem::DType::bf16;
-      else if (value == "fp16")
-        a.dtype = tandem::DType::fp16;
-      else
-        throw usage_error("--dtype expects fp32, bf16 or fp16, got '" + value + "'");
+      const std::optional<tandem::DType> d = dtype_named(value);
+      if (!d) throw usage_error("--dtype expects fp32, bf16 or fp16, got '" + value + "'");
+      a.dtype = *d;
     } else if (flag == "--optimizer") {
       if (value == "adamw")
         a.optimizer = OptimizerChoice::adamw;
@@ -198,15 +200,8 @@ Args parse(int argc, char** argv) {
       else
         throw usage_error("--storage expects user, owned or both, got '" + value + "'");
     } else if (flag == "--reduce-dtype") {
-      if (value == "fp32")
-        a.reduce = tandem::DType::fp32;
-      else if (value == "bf16")
-        a.reduce = tandem::DType::bf16;
-      else if (value == "fp16")
-        a.reduce = tandem::DType::fp16;
-      else if (value == "both")
-        a.reduce.reset();
-      else
+      a.reduce = dtype_named(value);  // "both": none
+      if (!a.reduce && value != "both")
         throw usage_error("--reduce-dtype expects fp32, bf16, fp16 or both, got '" + value + "'");
     } else if (flag == "--accumulation-steps") {
       a.options.accumulation_steps = static_cast<int>(parse_count(
