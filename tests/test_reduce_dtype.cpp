@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // DataParallelOptions::reduce_dtype: gradients cross ranks in bf16 or fp16 while micro-steps accumulate in fp32 and
 // the update stays fp32 (at accumulation 1 the sharded policies keep the reduced shard 16-bit and the update reads
-// it). Checked against plain loops (one SGD step's exact values, with a rounding written here), across policies
-// (bitwise where the reduction order allows, clipped too), against fp32 reduction (close, and not equal), on the wire
-// (the collectives' dtype), in memory (the reduce buffer and the 16-bit shard, as estimate_memory says), and at its
-// edges (a dtype it refuses, ranks that disagree, fp16's overflow caught by the non-finite check).
+// it). Checked against plain loops (one SGD step's exact values, with roundings written here), across policies and
+// storage modes (bitwise where the reduction order allows, clipped too), against fp32 reduction (close, and not equal),
+// on the wire (the collectives' dtype), in memory (the reduce buffer and the 16-bit shard, as estimate_memory says),
+// and at its edges (a dtype it refuses, ranks that disagree, fp16's overflow caught by the non-finite check).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -32,6 +32,18 @@ float round_bf16(float x) {
   std::memcpy(&u, &x, sizeof u);
   u += 0x7FFFu + ((u >> 16) & 1u);
   u &= 0xFFFF0000u;
+  std::memcpy(&x, &u, sizeof u);
+  return x;
+}
+
+/// Round to nearest even into fp16 and back, for |x| below 65504: 10 mantissa bits where x is normal in fp16
+/// (|x| >= 2^-14), else a multiple of fp16's smallest step, 2^-24.
+float round_fp16(float x) {
+  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u += 0xFFFu + ((u >> 13) & 1u);
+  u &= ~0x1FFFu;
   std::memcpy(&x, &u, sizeof u);
   return x;
 }
@@ -94,11 +106,13 @@ std::vector<Params> one_sgd_step(int world, DType reduce, bool owned) {
   return out;
 }
 
-/// What one_sgd_step must give, by plain loops: each rank's gradient (scaled by 1/N first with the user's buffers,
-/// where tandem averages before it reduces) rounded to the wire dtype, summed in rank order in fp32, the sum rounded
-/// once; with owned storage the 1/N scale comes after.
+/// What one_sgd_step must give, by plain loops: each rank's gradient scaled by 1/N and rounded to the wire dtype,
+/// summed in rank order in fp32, the sum rounded once. Only owned storage in fp32 scales after the sum.
 Params reference_step(int world, DType reduce, bool owned) {
-  auto wire = [&](float x) { return reduce == DType::bf16 ? round_bf16(x) : x; };
+  auto wire = [&](float x) {
+    return reduce == DType::bf16 ? round_bf16(x) : reduce == DType::fp16 ? round_fp16(x) : x;
+  };
+  const bool after = owned && reduce == DType::fp32;
   const float scale = 1.0f / static_cast<float>(world);
   Params p(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -106,9 +120,9 @@ Params reference_step(int world, DType reduce, bool owned) {
     for (int r = 0; r < world; ++r) g.push_back(gradient_of(r, i));
     for (std::size_t e = 0; e < specs[i].numel; ++e) {
       float sum = 0.0f;
-      for (int r = 0; r < world; ++r) sum += wire(owned ? g[r][e] : scale * g[r][e]);
+      for (int r = 0; r < world; ++r) sum += wire(after ? g[r][e] : scale * g[r][e]);
       const float reduced = wire(sum);
-      p[i].push_back(0.0f - (owned ? scale * reduced : reduced));  // w - lr g from w = 0 (and +0 for a zero sum)
+      p[i].push_back(0.0f - (after ? scale * reduced : reduced));  // w - lr g from w = 0 (and +0 for a zero sum)
     }
   }
   return p;
@@ -118,14 +132,15 @@ template <class Policy>
 void check_one_step(bool owned) {
   for (int world = 1; world <= 4; ++world) {
     CAPTURE(world);
-    for (DType reduce : {DType::fp32, DType::bf16}) {
+    for (DType reduce : {DType::fp32, DType::bf16, DType::fp16}) {
       const std::string wire_dtype = tandem::dtype_name(reduce);
       CAPTURE(wire_dtype);
       const Params expected = reference_step(world, reduce, owned);
       for (const Params& got : one_sgd_step<Policy>(world, reduce, owned)) CHECK(test::bitwise_equal(got, expected));
     }
-    if (world > 1)  // bf16 changes the values at all: a reference that ignored the dtype would fail above
-      CHECK(!test::bitwise_equal(reference_step(world, DType::bf16, owned), reference_step(world, DType::fp32, owned)));
+    if (world > 1)  // the dtype changes the values at all: a reference that ignored it would fail above
+      for (DType reduce : {DType::bf16, DType::fp16})
+        CHECK(!test::bitwise_equal(reference_step(world, reduce, owned), reference_step(world, DType::fp32, owned)));
   }
 }
 
@@ -181,19 +196,20 @@ TEST_CASE("reduce_dtype: the policies train bitwise alike in bf16 and fp16 where
     CAPTURE(wire_dtype);
     for (int world = 1; world <= 4; ++world) {
       CAPTURE(world);
-      // Accumulation 1: every policy rounds each micro-step's sum once.
-      const Params owned = train<tandem::Replicated>(world, reduce, true);
-      CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, reduce, true), owned));
-      CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, reduce, true), owned));
-      CHECK(test::bitwise_equal(train<tandem::ParameterSharded>(world, reduce, true), owned));
-      const Params user = train<tandem::Replicated>(world, reduce, false);
-      CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, reduce, false), user));
-      CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, reduce, false), user));
-      // Clipped: the sharded policies' norm reads their 16-bit shard, Replicated's its fp32 copy of the same values.
-      const Params clipped = train<tandem::Replicated>(world, reduce, true, 1, 0.05f);
-      CHECK(!test::bitwise_equal(clipped, owned));
-      CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, reduce, true, 1, 0.05f), clipped));
-      CHECK(test::bitwise_equal(train<tandem::ParameterSharded>(world, reduce, true, 1, 0.05f), clipped));
+      // Accumulation 1: every policy rounds each micro-step's averaged sum once, in both storage modes (both average
+      // before rounding), unclipped and clipped (the sharded policies' norm reads their 16-bit shard, the others'
+      // their fp32 copy of the same values).
+      for (float clip : {0.0f, 0.05f}) {
+        CAPTURE(clip);
+        const Params ref = train<tandem::Replicated>(world, reduce, true, 1, clip);
+        CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, reduce, true, 1, clip), ref));
+        CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, reduce, true, 1, clip), ref));
+        CHECK(test::bitwise_equal(train<tandem::ParameterSharded>(world, reduce, true, 1, clip), ref));
+        CHECK(test::bitwise_equal(train<tandem::Replicated>(world, reduce, false, 1, clip), ref));
+        CHECK(test::bitwise_equal(train<tandem::OptimizerSharded>(world, reduce, false, 1, clip), ref));
+        CHECK(test::bitwise_equal(train<tandem::GradientSharded>(world, reduce, false, 1, clip), ref));
+        if (clip > 0.0f) CHECK(!test::bitwise_equal(ref, train<tandem::Replicated>(world, reduce, true)));
+      }
       // Accumulation 2: the boundary policies round the accumulated sum once, the others each micro-step's sum.
       const Params boundary = train<tandem::Replicated>(world, reduce, true, 2);
       const Params every = train<tandem::GradientSharded>(world, reduce, true, 2);
@@ -247,6 +263,8 @@ TEST_CASE("reduce_dtype: the gradient collectives travel in the reduce dtype") {
       for (DType d : dtypes)
         CHECK(comm.count(test::Collective::reduce_scatter, d) == (d == reduce ? 3 * static_cast<int>(buckets) : 0));
       CHECK(comm.count(test::Collective::all_reduce) == 0);
+      // The parameters are gathered in their own dtype, whatever the gradients travel in.
+      CHECK(comm.count(test::Collective::all_gather, DType::fp32) == 3 * static_cast<int>(buckets));
 
       test::CountingComm comm2{local};
       test::DataParallel<tandem::Replicated, tandem::SGD, test::CountingComm> r(comm2, specs, {.lr = 0.1f}, [&] {
@@ -310,6 +328,7 @@ TEST_CASE("reduce_dtype: memory: one bucket more in the reduce dtype, a 16-bit s
   check(tandem::OptimizerSharded{}, tandem::Storage::user);
   check(tandem::GradientSharded{}, tandem::Storage::user);
   check(tandem::Replicated{}, tandem::Storage::owned);
+  check(tandem::OptimizerSharded{}, tandem::Storage::owned);
   check(tandem::GradientSharded{}, tandem::Storage::owned);
   check(tandem::ParameterSharded{}, tandem::Storage::owned);
 }
@@ -332,7 +351,8 @@ TEST_CASE("reduce_dtype: a dtype it cannot reduce in, and ranks that disagree, a
 }
 
 TEST_CASE("reduce_dtype: fp16's overflow becomes an infinity the non-finite check sees") {
-  // 40000 per rank fits in fp16; the sum of two ranks (80000) does not: the reduction rounds it to infinity.
+  // 70000 per rank, averaged over two ranks before rounding: 35000 fits in fp16, their sum, 70000, does not: the
+  // reduction rounds it to infinity.
   for (DType reduce : {DType::fp32, DType::fp16}) {
     const std::string wire_dtype = tandem::dtype_name(reduce);
     CAPTURE(wire_dtype);
@@ -343,7 +363,7 @@ TEST_CASE("reduce_dtype: fp16's overflow becomes an infinity the non-finite chec
       dp.template initialize_parameters<float>([](std::size_t, float*) {});
       for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
         auto grads = dp.gradients(b);
-        for (std::size_t i : grads.tensors()) std::fill_n(grads.grad(i), specs[i].numel, 40000.0f);
+        for (std::size_t i : grads.tensors()) std::fill_n(grads.grad(i), specs[i].numel, 70000.0f);
       }
       CHECK(dp.step().skipped == (reduce == DType::fp16));
     });

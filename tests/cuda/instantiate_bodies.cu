@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper, for each parameter dtype
-// (fp32, bf16, fp16; parameters are never fp64), so that nvcc proves the bodies are host+device clean (CI has nvcc
-// but no GPU). The CUDA backend's real wrappers have the same shape.
+// (fp32, bf16, fp16; parameters are never fp64) and, for the optimizers and the sum of squares, each gradient dtype,
+// so that nvcc proves the bodies are host+device clean (CI has nvcc but no GPU). The CUDA backend's real wrappers
+// have the same shape.
 //
 // The object is also where the rounding rule (kernels/detail/rounding.hpp) can be read in the machine code:
 // `cuobjdump -sass` shows no FFMA or DFMA in any body but AdamW's, and AdamW's all come from its one correctly
@@ -26,6 +27,15 @@ __global__ void run_sum(Body body, std::size_t items, double* lane_partials) {
   lane_partials[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
+/// The optimizer bodies for parameters T and gradients G.
+template <class T, class G>
+void instantiate_updates() {
+  using namespace tandem;
+  const LaunchShape s = launch_shape(1);
+  run_body<<<s.grid, s.block>>>(AdamW::Body<T, G>{}, 1);
+  run_body<<<s.grid, s.block>>>(SGD::Body<T, G>{}, 1);
+}
+
 template <class T>
 void instantiate_for() {
   using namespace tandem;
@@ -36,9 +46,14 @@ void instantiate_for() {
   run_body<<<s.grid, s.block>>>(PackBody<T, T, PackDirection::from_bucket>{}, 1);
   run_body<<<s.grid, s.block>>>(PackBody<float, T, PackDirection::to_bucket>{}, 1);
   run_body<<<s.grid, s.block>>>(CastBody<T, float>{}, 1);
-  run_body<<<s.grid, s.block>>>(AdamW::Body<T>{}, 1);
-  run_body<<<s.grid, s.block>>>(SGD::Body<T>{}, 1);
+  run_body<<<s.grid, s.block>>>(CastBody<T, float, WriteMode::accumulate>{}, 1);
+  run_body<<<s.grid, s.block>>>(CastBody<float, T>{}, 1);
+  run_body<<<s.grid, s.block>>>(CastBody<T, T>{}, 1);
   run_body<<<s.grid, s.block>>>(GroupReduceBody<T>{}, 1);
+  run_sum<<<1, block_threads>>>(SumSquaresBody<T>{}, 1, nullptr);
+  instantiate_updates<T, float>();
+  instantiate_updates<T, BFloat16>();  // a 16-bit reduced shard (DataParallelOptions::reduce_dtype)
+  instantiate_updates<T, Float16>();
 }
 
 }  // namespace
@@ -47,8 +62,6 @@ void tandem_instantiate_bodies() {
   instantiate_for<float>();
   instantiate_for<tandem::BFloat16>();
   instantiate_for<tandem::Float16>();
-  run_body<<<1, tandem::block_threads>>>(tandem::CastBody<float, float, tandem::WriteMode::accumulate>{}, 1);
-  run_sum<<<1, tandem::block_threads>>>(tandem::SumSquaresBody{}, 1, nullptr);
   run_body<<<1, tandem::block_threads>>>(tandem::OrderedSumBody{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::GroupReduceBody<double>{}, 1);
 }

@@ -111,7 +111,7 @@ class DataParallel {
   /// Wraps the user's tensors (copy mode: tandem packs the user's gradients and unpacks the parameters).
   DataParallel(Comm& comm, std::vector<TensorRef> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
-      : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options), refs_(std::move(tensors)) {
+      : comm_(comm), backend_(std::move(backend)), groups_{optimizer}, options_(options), refs_(std::move(tensors)) {
     static_assert(!shards_params_,
                   "a policy that shards the parameters keeps no full copy of them, so it cannot work on the user's "
                   "buffers: construct DataParallel from TensorSpecs (owned storage) and read each bucket's parameters "
@@ -128,7 +128,7 @@ class DataParallel {
   /// shards the parameters).
   DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
-      : comm_(comm), backend_(std::move(backend)), optimizer_(optimizer), options_(options) {
+      : comm_(comm), backend_(std::move(backend)), groups_{optimizer}, options_(options) {
     construct(std::move(tensors), Storage::owned);
   }
 
@@ -227,8 +227,9 @@ class DataParallel {
     }
 
     StepResult result;
-    // Gradients already carry the 1/(N*k) averaging in copy mode; with owned storage it is applied here.
-    const float average = storage_ == Storage::user ? 1.0f : pack_scale;
+    // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
+    // reduce()); with owned storage in fp32 it is applied here.
+    const float average = storage_ == Storage::user || options_.reduce_dtype != DType::fp32 ? 1.0f : pack_scale;
     if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
       result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
@@ -247,7 +248,8 @@ class DataParallel {
         result.clip_coefficient = static_cast<float>(std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6)));
     }
     ++step_;
-    const auto scalars = Opt::scalars(optimizer_, step_);
+    std::vector<typename Opt::Scalars> scalars;
+    for (const OptimizerOptions& g : groups_) scalars.push_back(Opt::scalars(g, step_));
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b, scalars, average * result.clip_coefficient);
       if constexpr (!shards_params_) P::gather_parameters(comm_, view(b, nullptr));  // else: at the next use
@@ -330,7 +332,7 @@ class DataParallel {
         c.optimizer = Opt::name;
         c.saved_by_policy = P::name;
         c.saved_world_size = static_cast<std::uint32_t>(world_);
-        c.optimizer_fingerprint = Opt::fingerprint(optimizer_);
+        c.optimizer_fingerprint = optimizer_fingerprint();
         c.tensors = layout_.tensors();
         for (std::size_t i = 0; i < layout_.size(); ++i) {
           const std::size_t at = flat_index(i), n = layout_[i].numel;
@@ -427,7 +429,7 @@ class DataParallel {
                        .grad_slot_size = slot_size_,
                        .staging = staging_.bytes() / f,
                        .grad_shard = grad_shard_.bytes() / dtype_size(shard_dtype_),
-                       .comm = reduce_buf_.bytes() / dtype_size(options_.reduce_dtype),
+                       .reduce_buffer = reduce_buf_.bytes() / dtype_size(options_.reduce_dtype),
                        .grad_shard_dtype = shard_dtype_};
     const std::size_t arrays = (state_[0].data() != nullptr ? 1 : 0) + (state_[1].data() != nullptr ? 1 : 0);
     return memory_of(held, buffer_inputs(), layout_.total_numel(), arrays);
@@ -734,8 +736,62 @@ class DataParallel {
     ParameterBucket(DataParallel& dp, std::size_t b) : BucketHandle(dp, b, "ParameterBucket") {}
   };
 
-  /// The optimizer's options; change them between steps (a learning-rate schedule, say).
-  OptimizerOptions& optimizer_options() { return optimizer_; }
+  /// The optimizer's options (of group 0: every tensor's, unless set_optimizer_groups says otherwise); change them
+  /// between steps (a learning-rate schedule, say).
+  OptimizerOptions& optimizer_options() { return groups_[0]; }
+
+  /// Group g's optimizer options (set_optimizer_groups); change them between steps as optimizer_options(). Throws
+  /// tandem::error for a group that does not exist.
+  OptimizerOptions& optimizer_options(std::size_t group) {
+    if (group >= groups_.size())
+      detail::fail("tandem: optimizer_options(" + std::to_string(group) + "): there are " +
+                   std::to_string(groups_.size()) + " optimizer groups (set_optimizer_groups)");
+    return groups_[group];
+  }
+  std::size_t optimizer_group_count() const { return groups_.size(); }
+
+  /// Per-tensor optimizer options, as torch's parameter groups: tensor i is updated with groups[group_of[i]] (no
+  /// weight decay for biases and norms, say). groups[0] replaces optimizer_options(). A collective call, on every rank
+  /// with the same groups and assignment, between steps (it applies from the next update, also inside an
+  /// accumulation window); the state buffers are those of construction, so no group may need more (construct with
+  /// the most demanding options). Throws tandem::error on every rank if any rank's arguments are wrong or the ranks
+  /// disagree; the groups are then unchanged.
+  ///
+  ///   auto no_decay = dp.optimizer_options();
+  ///   no_decay.weight_decay = 0;
+  ///   std::vector<std::size_t> group(dp.layout().size(), 0);
+  ///   for (std::size_t i = 0; i < group.size(); ++i) if (dp.layout()[i].name.ends_with(".bias")) group[i] = 1;
+  ///   dp.set_optimizer_groups({dp.optimizer_options(), no_decay}, group);
+  TANDEM_COLD void set_optimizer_groups(std::vector<OptimizerOptions> groups, std::vector<std::size_t> group_of) {
+    if (!live_.yes) detail::fail("tandem: set_optimizer_groups on a DataParallel that has been moved from");
+    std::string problem;
+    try {
+      if (groups.empty()) detail::fail("tandem: set_optimizer_groups: no groups; give at least one");
+      if (group_of.size() != layout_.size())
+        detail::fail("tandem: set_optimizer_groups: " + std::to_string(group_of.size()) + " group indices for " +
+                     std::to_string(layout_.size()) + " tensors; give one per tensor, in layout order");
+      for (std::size_t i = 0; i < group_of.size(); ++i)
+        if (group_of[i] >= groups.size())
+          detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
+                       std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
+      for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, "set_optimizer_groups");
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    all_ranks_succeed(problem);
+    std::swap(groups_, groups);
+    std::swap(group_of_, group_of);
+    const std::uint64_t mine = optimizer_fingerprint();
+    const std::vector<std::uint64_t> all = all_gather_words({mine});
+    for (int r = 0; r < world_; ++r)
+      if (all[static_cast<std::size_t>(r)] != all[0]) {
+        std::swap(groups_, groups);
+        std::swap(group_of_, group_of);
+        detail::fail("tandem: set_optimizer_groups: ranks 0 and " + std::to_string(r) +
+                     " passed different groups or assignments; every rank must pass the same");
+      }
+    build_segments();
+  }
   const DataParallelOptions& options() const { return options_; }
 
  private:
@@ -791,11 +847,8 @@ class DataParallel {
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
                    "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
-    Opt::validate(optimizer_);  // the options may have been changed through optimizer_options()
-    if (Opt::state_count(optimizer_) > state_count_)
-      detail::fail(std::string("tandem: the ") + Opt::name + " options now need " +
-                   std::to_string(Opt::state_count(optimizer_)) + " state buffers but were constructed with " +
-                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
+    for (std::size_t g = 0; g < groups_.size(); ++g)  // the options may have been changed through optimizer_options()
+      check_group(groups_[g], g, what);
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
                    (shards_params_ ? " before initialize_parameters(): with sharded parameters, write the initial "
@@ -960,7 +1013,7 @@ class DataParallel {
         if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
         send = bucket_grads(b);
       }
-      const Grads mine = reduce(b, send);
+      const Grads mine = reduce(b, send, pack_scale);
       land(mine, {grad_shard_.data() + bucket.shard_offset * dtype_size(shard_dtype_), shard_dtype_}, bucket.shard_size,
            mode);
       if (storage_ == Storage::owned) {  // the slot is zero again, and free for the next bucket
@@ -973,7 +1026,7 @@ class DataParallel {
       float* grads = grad_flat_.data() + bucket.offset;
       if (storage_ == Storage::user) pack_grads(scope, b, grads, mode, pack_scale);
       if (!boundary) return;
-      const Grads mine = reduce(b, grads);
+      const Grads mine = reduce(b, grads, pack_scale);
       if (mine.dtype != DType::fp32)
         land(mine, {grads + (owned_range(b).begin - bucket.offset), DType::fp32}, owned_range(b).size(),
              WriteMode::assign);
@@ -987,8 +1040,10 @@ class DataParallel {
   };
 
   /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
-  /// rounded into reduce_buf_ and reduced there (grads keep their values).
-  Grads reduce(std::size_t b, float* grads) {
+  /// rounded into reduce_buf_ and reduced there (grads keep their values). Rounded, they are averaged first (owned
+  /// storage's gradients are sums; `average` is the 1/(N*k) that copy mode's pack applied already), so that the sum
+  /// fits a 16-bit range N*k times larger, and both storage modes round the same values.
+  Grads reduce(std::size_t b, float* grads, float average) {
     const Bucket& bucket = plan_.bucket(b);
     const std::size_t own = owned_range(b).begin - bucket.offset;
     if (options_.reduce_dtype == DType::fp32) {
@@ -998,7 +1053,8 @@ class DataParallel {
     return visit_param_dtype(options_.reduce_dtype, [&](auto tag) -> Grads {
       using R = decltype(tag);
       R* wire = reinterpret_cast<R*>(reduce_buf_.data());
-      backend_.launch(cast_items(bucket.size), CastBody<float, R>{grads, wire, bucket.size, 1.0f}, work_stream());
+      const float scale = storage_ == Storage::owned ? average : 1.0f;
+      backend_.launch(cast_items(bucket.size), CastBody<float, R>{grads, wire, bucket.size, scale}, work_stream());
       P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
       return {wire + own, options_.reduce_dtype};
     });
@@ -1011,6 +1067,8 @@ class DataParallel {
       using R = decltype(tag);
       const R* src = static_cast<const R*>(from.data);
       if (to.dtype != DType::fp32) {
+        if (to.dtype != from.dtype || mode != WriteMode::assign)
+          detail::fail("tandem: internal error: a 16-bit gradient shard can only be assigned its own dtype");
         R* dst = static_cast<R*>(const_cast<void*>(to.data));
         backend_.launch(cast_items(n), CastBody<R, R>{src, dst, n, 1.0f}, work_stream());
         return;
@@ -1041,7 +1099,7 @@ class DataParallel {
     std::string problem;
     try {
       detail::validate(options_);
-      Opt::validate(optimizer_);
+      Opt::validate(groups_[0]);
       layout_ = Layout(std::move(specs));
       validate_tensors();
     } catch (const std::exception& e) {
@@ -1056,6 +1114,7 @@ class DataParallel {
     psize_ = dtype_size(pdtype_);
     plan_ = detail::plan_for(layout_, options_, world_);
     allocate();
+    build_segments();
     ready_.assign(layout_.size(), 0);
     bucket_ready_.assign(plan_.num_buckets(), 0);
     if (storage_ == Storage::user) {
@@ -1160,7 +1219,7 @@ class DataParallel {
     mine[1] = layout_.size();
     mine[2] = layout_.total_numel();
     mine[3] = detail::fnv1a(P::name);
-    mine[4] = detail::fnv1a(Opt::name) ^ Opt::fingerprint(optimizer_);
+    mine[4] = detail::fnv1a(Opt::name) ^ Opt::fingerprint(groups_[0]);
     mine[5] = static_cast<std::uint64_t>(options_.accumulation_steps);
     mine[6] = options_.bucket_cap_bytes;
     mine[7] = options_.first_bucket_cap_bytes;
@@ -1193,7 +1252,7 @@ class DataParallel {
 
   /// Allocates the buffers the policy's rule and the front ask for (buffers_for<P>); memory_report() counts them.
   TANDEM_COLD void allocate() {
-    state_count_ = Opt::state_count(optimizer_);
+    state_count_ = Opt::state_count(groups_[0]);
     const Buffers need = buffers_for<P>(buffer_inputs());
     auto zeroed = [&](auto& buffer, std::size_t n) {
       using T = std::remove_pointer_t<decltype(buffer.data())>;
@@ -1219,8 +1278,8 @@ class DataParallel {
     shard_dtype_ = need.grad_shard_dtype;
     if (need.grad_shard != 0)
       grad_shard_ = backend_.template allocate<unsigned char>(need.grad_shard * dtype_size(shard_dtype_));
-    if (need.comm != 0)
-      reduce_buf_ = backend_.template allocate<unsigned char>(need.comm * dtype_size(options_.reduce_dtype));
+    if (need.reduce_buffer != 0)
+      reduce_buf_ = backend_.template allocate<unsigned char>(need.reduce_buffer * dtype_size(options_.reduce_dtype));
     slot_size_ = need.grad_slot_size;
     slots_ = detail::SlotPool(need.grad_slots, plan_.num_buckets());
     for (std::size_t k = 0; k < need.grad_slots; ++k) slot_events_.push_back(backend_.make_event());
@@ -1334,6 +1393,16 @@ class DataParallel {
     return P::state == StateSharding::replicated ? plan_.bucket(b).offset : plan_.bucket(b).shard_offset;
   }
 
+  /// f(G{}) for the reduced gradients' element type G: fp32 under a policy that reduces at the boundary (they land in
+  /// grad_flat), else the shard's dtype.
+  template <class F>
+  void visit_grads(const Grads& grads, F&& f) const {
+    if constexpr (P::reduction == GradientReduction::at_boundary)
+      f(float{});
+    else
+      visit_param_dtype(grads.dtype, std::forward<F>(f));
+  }
+
   /// The reduced gradients of bucket b's owned range (where the update reads them).
   Grads owned_grads(std::size_t b) const {
     if constexpr (P::reduction == GradientReduction::every_micro_step)
@@ -1358,7 +1427,7 @@ class DataParallel {
       for (std::size_t b = 0; b < buckets; ++b) {
         const std::size_t n = plan_.bucket(b).shard_size;
         const Grads grads = owned_grads(b);
-        visit_param_dtype(grads.dtype, [&](auto tag) {
+        visit_grads(grads, [&](auto tag) {
           using G = decltype(tag);
           const G* x = static_cast<const G*>(grads.data);
           if (P::state == StateSharding::replicated) x += g * n;
@@ -1388,24 +1457,87 @@ class DataParallel {
     });
   }
 
-  void update(const StreamScope&, std::size_t b, const typename Opt::Scalars& scalars, float grad_scale) {
-    const Range r = owned_range(b);
+  /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group.
+  void update(const StreamScope&, std::size_t b, const std::vector<typename Opt::Scalars>& scalars, float grad_scale) {
     const Grads grads = owned_grads(b);
     visit_param_dtype(pdtype_, [&](auto ptag) {
-      visit_param_dtype(grads.dtype, [&](auto gtag) {
+      visit_grads(grads, [&](auto gtag) {
         using T = decltype(ptag);
         using G = decltype(gtag);
-        UpdateArgs<T, G> a;
-        a.param = static_cast<T*>(owned_params(b));
-        a.master = pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b);
-        a.grad = static_cast<const G*>(grads.data);
-        for (std::size_t k = 0; k < 2; ++k)
-          a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) : nullptr;
-        a.n = r.size();
-        a.grad_scale = grad_scale;
-        backend_.launch(update_items(a.n), typename Opt::template Body<T, G>{a, scalars}, work_stream());
+        for (const Segment& seg : segments_[b]) {
+          UpdateArgs<T, G> a;
+          a.param = static_cast<T*>(owned_params(b)) + seg.begin;
+          a.master =
+              pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b) + seg.begin;
+          a.grad = static_cast<const G*>(grads.data) + seg.begin;
+          for (std::size_t k = 0; k < 2; ++k)
+            a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) + seg.begin : nullptr;
+          a.n = seg.end - seg.begin;
+          a.grad_scale = grad_scale;
+          backend_.launch(update_items(a.n), typename Opt::template Body<T, G>{a, scalars[seg.group]}, work_stream());
+        }
       });
     });
+  }
+
+  /// A run of a bucket's owned range whose tensors share an optimizer group.
+  struct Segment {
+    std::size_t begin, end;  ///< offsets into the owned range
+    std::size_t group;
+  };
+
+  /// segments_ from group_of_: each owned range cut where the tensors' group changes. Alignment gaps and padding (zero
+  /// parameters, zero gradients) go with the tensor before them, or the first one.
+  TANDEM_COLD void build_segments() {
+    segments_.assign(plan_.num_buckets(), {});
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      const Range own = owned_range(b);
+      std::vector<Segment>& segs = segments_[b];
+      std::vector<std::size_t> tensors = plan_.bucket(b).tensors;
+      std::sort(tensors.begin(), tensors.end(),
+                [&](std::size_t x, std::size_t y) { return flat_index(x) < flat_index(y); });
+      for (std::size_t t : tensors) {
+        const std::size_t begin = std::max(flat_index(t), own.begin);
+        const std::size_t end = std::min(flat_index(t) + layout_[t].numel, own.end);
+        const std::size_t group = group_of_.empty() ? 0 : group_of_[t];
+        if (begin >= end) continue;
+        if (!segs.empty() && segs.back().group == group) continue;  // the previous segment reaches here
+        if (!segs.empty()) segs.back().end = begin - own.begin;
+        segs.push_back({segs.empty() ? 0 : begin - own.begin, own.size(), group});
+      }
+      if (segs.empty()) segs.push_back({0, own.size(), 0});  // padding only
+    }
+  }
+
+  /// Throws tandem::error if group g's options are invalid or need more state buffers than were allocated.
+  void check_group(const OptimizerOptions& options, std::size_t g, const std::string& what) const {
+    try {
+      Opt::validate(options);
+    } catch (const std::exception& e) {
+      if (groups_.size() == 1 && g == 0) throw;
+      detail::fail(std::string(e.what()) + " (optimizer group " + std::to_string(g) + ")");
+    }
+    if (Opt::state_count(options) > state_count_)
+      detail::fail("tandem: " + what + ": the " + Opt::name + " options" +
+                   (g == 0 ? std::string() : " of optimizer group " + std::to_string(g)) + " need " +
+                   std::to_string(Opt::state_count(options)) + " state buffers but DataParallel was constructed with " +
+                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
+  }
+
+  /// The optimizer options' fingerprint: group 0's alone when there is one group (as checkpoints have always held),
+  /// else every group's and the assignment's.
+  std::uint64_t optimizer_fingerprint() const {
+    std::uint64_t h = Opt::fingerprint(groups_[0]);
+    if (groups_.size() == 1) return h;
+    for (std::size_t g = 1; g < groups_.size(); ++g) {
+      const std::uint64_t f = Opt::fingerprint(groups_[g]);
+      h = detail::fnv1a(&f, sizeof f, h);
+    }
+    for (std::size_t group : group_of_) {
+      const std::uint64_t v = group;
+      h = detail::fnv1a(&v, sizeof v, h);
+    }
+    return h;
   }
 
   template <class T>
@@ -1413,7 +1545,10 @@ class DataParallel {
 
   Comm& comm_;
   Backend backend_;
-  OptimizerOptions optimizer_;
+  std::vector<OptimizerOptions> groups_;  ///< optimizer options per group; [0] is optimizer_options()
+  std::vector<std::size_t> group_of_;     ///< each tensor's group (empty: all in group 0)
+  /// Per bucket, its owned range cut where the group changes (offsets into the range); one segment with one group.
+  std::vector<std::vector<Segment>> segments_;
   DataParallelOptions options_;
   std::vector<TensorRef> refs_;
   Storage storage_ = Storage::user;

@@ -40,10 +40,12 @@ struct DataParallelOptions {
   /// the use of another.
   int parameter_buffers = 2;
   /// The dtype gradients cross ranks in: fp32, or bf16 / fp16 for half the bytes (PyTorch FSDP's reduce_dtype). With a
-  /// 16-bit dtype, each bucket's fp32 gradients are rounded into a bucket-sized buffer, reduced there (the
-  /// communicator adds in fp32 and rounds once), and read back into fp32; micro-steps still accumulate in fp32, and
-  /// master weights and optimizer maths stay fp32. fp16 overflows above 65504 (no loss scaling here); bf16 keeps
-  /// fp32's range with 8 bits of mantissa.
+  /// 16-bit dtype, each bucket's fp32 gradients are averaged (× 1/(N·k)) and rounded into a bucket-sized buffer and
+  /// reduced there (LocalGroup, DeviceGroup and Mpi add in fp32 and round once; NCCL in its own order), and the owned
+  /// range is read back: into fp32, where micro-steps accumulate, or, under the sharded policies with
+  /// accumulation_steps 1, kept in the 16-bit shard the update reads. Master weights and optimizer maths stay fp32.
+  /// fp16 overflows where the averaged sum exceeds 65504 (no loss scaling here: set non_finite to catch it); bf16
+  /// keeps fp32's range with 8 bits of mantissa.
   DType reduce_dtype = DType::fp32;
   Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };

@@ -17,6 +17,7 @@
 #include <initializer_list>
 
 #include "tandem/core/config.hpp"
+#include "tandem/core/dtype.hpp"
 #include "tandem/core/hash.hpp"
 
 namespace tandem {
@@ -81,7 +82,7 @@ concept Optimizer = requires(const typename O::Options& options, std::uint64_t s
   { O::fingerprint(options) } -> std::convertible_to<std::uint64_t>;
   { O::scalars(options, step) } -> std::same_as<typename O::Scalars>;
   typename O::template Body<float>;
-  typename O::template Body<float, float>;
+  typename O::template Body<float, BFloat16>;  // a 16-bit reduced shard (DataParallelOptions::reduce_dtype)
   { O::elementwise } -> std::convertible_to<bool>;
 };
 

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // GradientSharded (ZeRO stage 2): every micro-step, each bucket's gradients are reduce-scattered as soon as they are
-// complete and each rank adds its shard into an fp32 shard accumulator; no rank holds a full reduced gradient, and a
-// bucket's full gradients live only until it is reduced (with owned storage, in a few reused bucket buffers).
+// complete and each rank adds its shard into a shard accumulator (fp32; the 16-bit reduce dtype without
+// accumulation); no rank holds a full reduced gradient, and a bucket's full gradients live only until it is reduced
+// (with owned storage, in a few reused bucket buffers).
 // Master weights and optimizer state are sharded as in ZeRO-1.
 // Collectives per step: reduce-scatter(grads) every micro-step + all-gather(params).
 #pragma once

@@ -3,7 +3,7 @@
 // parameters, with the shard's master weights and optimizer state. A bucket's full parameters exist only while a
 // forward or backward pass uses them: DataParallel::parameters(b) all-gathers them into one of a few reused bucket
 // buffers (DataParallelOptions::parameter_buffers; prefetch_parameters(b) starts the gather early) and the handle's
-// release frees the buffer. Gradients are reduce-scattered every micro-step into an fp32 shard accumulator as under
+// release frees the buffer. Gradients are reduce-scattered every micro-step into a shard accumulator as under
 // GradientSharded, and the optimizer updates the shard in place: nothing is gathered at the step's end.
 // Collectives per step: all-gather(params) at each use + reduce-scatter(grads) every micro-step. Owned storage only.
 #pragma once

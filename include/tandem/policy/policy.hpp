@@ -25,7 +25,7 @@ enum class StateSharding {
 /// When gradients are reduced across ranks.
 enum class GradientReduction {
   at_boundary,      ///< micro-steps accumulate locally in a full fp32 buffer; reduce once per optimizer step
-  every_micro_step  ///< reduce-scatter every micro-step into an fp32 shard accumulator; no full reduced copy
+  every_micro_step  ///< reduce-scatter every micro-step into a shard accumulator; no full reduced copy
 };
 
 /// Who keeps a bucket's parameters between the forward and backward passes that use them.
@@ -79,9 +79,9 @@ struct Buffers {
   std::size_t grad_flat = 0;   ///< full-size gradients living across the step
   std::size_t grad_slots = 0;  ///< reused bucket gradient buffers (owned storage under sharded gradients)
   std::size_t grad_slot_size = 0;
-  std::size_t staging = 0;     ///< one bucket of packed gradients (the user's storage under sharded gradients)
-  std::size_t grad_shard = 0;  ///< the reduced-gradient shard accumulator, in grad_shard_dtype
-  std::size_t comm = 0;  ///< reduce dtype: one bucket, where a 16-bit reduction happens (the front's, not a rule's)
+  std::size_t staging = 0;        ///< one bucket of packed gradients (the user's storage under sharded gradients)
+  std::size_t grad_shard = 0;     ///< the reduced-gradient shard accumulator, in grad_shard_dtype
+  std::size_t reduce_buffer = 0;  ///< reduce dtype: one bucket, where a 16-bit reduction happens (the front's)
   DType grad_shard_dtype = DType::fp32;
 };
 
@@ -94,7 +94,7 @@ inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::siz
   r.master_weights = b.master * f;
   r.optimizer_state = state_count * b.state * f;
   const std::size_t transient = (b.grad_slots * b.grad_slot_size + b.staging) * f +
-                                b.param_slots * b.param_slot_size * p + b.comm * dtype_size(in.reduce_dtype);
+                                b.param_slots * b.param_slot_size * p + b.reduce_buffer * dtype_size(in.reduce_dtype);
   if (in.storage == Storage::user) {
     r.params = numel * p;
     r.grads = numel * p;
@@ -158,7 +158,7 @@ template <Policy P>
 Buffers buffers_for(const BufferInputs& in) {
   Buffers b = P::buffers(in);
   if (in.reduce_dtype == DType::fp32) return b;
-  b.comm = in.plan.max_bucket_size();
+  b.reduce_buffer = in.plan.max_bucket_size();
   if (b.grad_shard != 0 && in.accumulation_steps == 1) b.grad_shard_dtype = in.reduce_dtype;
   return b;
 }
