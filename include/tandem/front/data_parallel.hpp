@@ -3,25 +3,35 @@
 // (and checks that every rank passed the same ones), plans buckets, allocates what the policy needs, and
 // runs each step: pack -> collective -> (clip) -> update -> gather -> unpack, bucket by bucket.
 //
-// Buffers (F = plan.total_size(), S = plan.total_shard_size(), M = plan.max_bucket_size(), O = owned
-// elements: F under StateSharding::replicated, S under StateSharding::sharded):
+// This file is the public API and the call protocol (streams, the accumulation window, the bucket handles); the work
+// is done by its parts in front/detail/, each fixed at construction and testable alone:
+//   training_state.hpp  the buffers the policy's rule asks for (buffers_for<P>), and what they amount to
+//   bucket_kernels.hpp  every launch of a step, typed once for the dtypes (parameters, reduction, reduced gradients)
+//   checkpoint_io.hpp   the state to and from a checkpoint
+//   agreement.hpp       what every rank must agree on, and how a problem on one rank reaches every rank
+//   validation.hpp      the checks of the user's arguments
+//   slot_pool.hpp, gather_slots.hpp   which bucket holds which reused gradient or gather buffer
+// The policy acts through its phase hooks (policy/phases.hpp), over the operations of Ops below; the storage mode
+// (the user's buffers, or tandem's) is fixed by the constructor taken, which selects StorageSteps: the steps of that
+// mode, instantiated for it alone. No step looks at a dtype, a policy trait or the storage mode again.
+//
+// Buffers (F = plan.total_size(), S = plan.total_shard_size(), M = plan.max_bucket_size(); the owned space is the
+// flat space under StateSharding::replicated, the rank's shards under sharded):
 //   param_flat  F  parameter dtype   every bucket's parameters; the update writes the owned part, the
 //                                    gather fills the rest, unpack copies it to the user's buffers
 //   param_shard S  parameter dtype   ParameterSharding::sharded instead of param_flat: this rank's shard, updated
-//   param_slots K'×M parameter dtype ParameterSharding::sharded: K' reused buffers a bucket is gathered into while
+//   gather      K'×M parameter dtype ParameterSharding::sharded: K' reused buffers a bucket is gathered into while
 //                                    a pass reads it (parameters(b))
-//   master      O  fp32              16-bit parameters only; for fp32 the owned part of param_flat (or
+//   master      owned  fp32          16-bit parameters only; for fp32 the owned part of param_flat (or
 //                                    param_shard) is it
-//   state[k]    O  fp32              the optimizer's per-element state
-//   grad_flat   F  fp32              GradientReduction::at_boundary: gradients accumulated across micro-steps
-//   staging     M  fp32              GradientReduction::every_micro_step with the user's storage
-//   grad_slots  K×M fp32             GradientReduction::every_micro_step with owned storage: K reused bucket buffers
-//   grad_shard  S  fp32              GradientReduction::every_micro_step: the reduced-gradient accumulator (in the
-//                                    16-bit reduce dtype where accumulation_steps is 1: nothing adds into it)
+//   state[k]    owned  fp32          the optimizer's per-element state
+//   grad_flat   F  fp32              ReduceAtBoundary: gradients accumulated across micro-steps
+//   staging     M  fp32              ReduceEveryMicroStep with the user's storage
+//   grad_slots  K×M fp32             ReduceEveryMicroStep with owned storage: K reused bucket buffers
+//   grad_shard  S  fp32              ReduceEveryMicroStep: the reduced-gradient accumulator (in the 16-bit reduce
+//                                    dtype where accumulation_steps is 1: nothing adds into it)
 //   reduce      M  reduce dtype      a 16-bit DataParallelOptions::reduce_dtype: a bucket's gradients rounded and
 //                                    reduced here, the owned range then read back into fp32
-// Which of them exist and how large is the policy's buffer rule with the front's own (buffers_for<P>); this file
-// allocates what it says.
 // With owned storage (zero-copy; construct from TensorSpecs) the user's tensors are views into param_flat and
 // grad_flat or a gradient slot, and pack/unpack disappear. A bucket's gradients are written through a GradientBucket
 // (gradients(b)): under GradientSharded it holds one of the K slots from when it is opened until the bucket has been
@@ -63,8 +73,12 @@
 #include "tandem/core/plan.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/detail/agreement.hpp"
+#include "tandem/front/detail/bucket_kernels.hpp"
+#include "tandem/front/detail/checkpoint_io.hpp"
 #include "tandem/front/detail/gather_slots.hpp"
 #include "tandem/front/detail/slot_pool.hpp"
+#include "tandem/front/detail/training_state.hpp"
+#include "tandem/front/detail/validation.hpp"
 #include "tandem/front/options.hpp"
 #include "tandem/kernels/optimizer.hpp"
 #include "tandem/kernels/pack.hpp"
@@ -102,7 +116,8 @@ class DataParallel {
   static_assert(parameters_follow_state<P>,
                 "a policy that shards the parameters updates only its shard, so it must shard the optimizer state "
                 "(StateSharding::sharded) and reduce-scatter every micro-step (GradientReduction::every_micro_step)");
-  /// The parameters live in shards between uses (ParameterSharded): no full parameter buffer exists.
+  /// The parameters live in shards between uses (ParameterSharded): no full parameter buffer exists. For the API's
+  /// compile-time checks only; no step branches on it.
   static constexpr bool shards_params_ = parameter_sharding_of<P> == ParameterSharding::sharded;
 
  public:
@@ -119,7 +134,7 @@ class DataParallel {
     std::vector<TensorSpec> specs;
     specs.reserve(refs_.size());
     for (const TensorRef& t : refs_) specs.push_back({t.name, t.numel, t.dtype});
-    construct(std::move(specs), Storage::user);
+    construct(std::move(specs), Storage::user, storage_steps<Storage::user>());
   }
 
   /// Zero-copy: tandem owns flat parameter and gradient storage; param_view(i) (or parameters(b)) points into it, and
@@ -129,7 +144,7 @@ class DataParallel {
   DataParallel(Comm& comm, std::vector<TensorSpec> tensors, OptimizerOptions optimizer = {},
                DataParallelOptions options = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), groups_{optimizer}, options_(options) {
-    construct(std::move(tensors), Storage::owned);
+    construct(std::move(tensors), Storage::owned, storage_steps<Storage::owned>());
   }
 
   DataParallel(const DataParallel&) = delete;
@@ -170,19 +185,26 @@ class DataParallel {
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
+    broadcast_from(root);
+  }
+
+ private:
+  /// broadcast_parameters(root), a root in range.
+  TANDEM_COLD void broadcast_from(int root) {
     StreamScope scope(*this, Exit::leave);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
-      if (storage_ == Storage::user && rank_ == root) pack_params(scope, b);
+      if (rank_ == root) (this->*steps_->params_in)(scope, b);
       void* flat = param_bucket(b);
       comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());
-      if (storage_ == Storage::user && rank_ != root) unpack_params(scope, b);
+      if (rank_ != root) (this->*steps_->params_out)(scope, b);
     }
     init_masters(scope);
     synced_ = true;
     scope.leave();
   }
 
+ public:
   /// Optional, for overlap: tensor i's gradient for this micro-step is complete on the user's stream (call it from
   /// backward, as each gradient is produced). When every tensor of the next bucket in bucket order is ready, that
   /// bucket's pack and collective are issued on the work stream behind an event on the user's stream, so they
@@ -229,14 +251,14 @@ class DataParallel {
     StepResult result;
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
-    const float average = storage_ == Storage::user || options_.reduce_dtype != DType::fp32 ? 1.0f : pack_scale;
+    const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale;
     if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
       result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
         detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
                      std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::skip_step) {
-        clear_owned_gradients();
+        (this->*steps_->clear_gradients)();
         micro_ = 0;
         ++skipped_;
         result.skipped = true;
@@ -250,13 +272,14 @@ class DataParallel {
     ++step_;
     std::vector<typename Opt::Scalars> scalars;
     for (const OptimizerOptions& g : groups_) scalars.push_back(Opt::scalars(g, step_));
+    Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b, scalars, average * result.clip_coefficient);
-      if constexpr (!shards_params_) P::gather_parameters(comm_, view(b, nullptr));  // else: at the next use
-      if (storage_ == Storage::user) unpack_params(scope, b);
+      P::after_update(ops, b);
+      (this->*steps_->params_out)(scope, b);
     }
-    gathered_.forget();  // the shards changed: every bucket is gathered again at its next use
-    clear_owned_gradients();
+    gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
+    (this->*steps_->clear_gradients)();
     micro_ = 0;
     result.updated = true;
     result.step = step_;
@@ -312,46 +335,20 @@ class DataParallel {
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
     const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
-    const std::vector<float> masters = pdtype_ == DType::fp32 ? std::vector<float>{} : gather_owned(master_.data());
-    std::vector<unsigned char> params;
-    if constexpr (shards_params_) {
-      params = gather_owned(param_shard_.data(), pdtype_);
-    } else if (rank_ == 0) {
-      params.resize(param_flat_.bytes());
-      backend_.read(params.data(), param_flat_.data(), params.size(), work_stream());
-    }
-    std::vector<std::vector<float>> states;
-    for (std::size_t k = 0; k < state_count_; ++k) states.push_back(gather_owned(state_[k].data()));
+    CheckpointData meta;
+    meta.step = step_;
+    meta.param_dtype = pdtype_;
+    meta.optimizer = Opt::name;
+    meta.saved_by_policy = P::name;
+    meta.saved_world_size = static_cast<std::uint32_t>(world_);
+    meta.optimizer_fingerprint = optimizer_fingerprint();
+    const CheckpointData c = detail::collect_checkpoint<P>(comm_, backend_, plan_, layout_, state_, std::move(meta));
     std::string problem;
-    if (rank_ == 0) {
-      try {
-        CheckpointData c;
-        c.step = step_;
-        c.state_count = static_cast<std::uint32_t>(state_count_);
-        c.param_dtype = pdtype_;
-        c.optimizer = Opt::name;
-        c.saved_by_policy = P::name;
-        c.saved_world_size = static_cast<std::uint32_t>(world_);
-        c.optimizer_fingerprint = optimizer_fingerprint();
-        c.tensors = layout_.tensors();
-        for (std::size_t i = 0; i < layout_.size(); ++i) {
-          const std::size_t at = flat_index(i), n = layout_[i].numel;
-          const auto* p = params.data() + at * psize_;
-          c.params.emplace_back(p, p + n * psize_);
-          c.masters.emplace_back(masters.empty()
-                                     ? std::vector<float>{}
-                                     : std::vector<float>(masters.begin() + static_cast<std::ptrdiff_t>(at),
-                                                          masters.begin() + static_cast<std::ptrdiff_t>(at + n)));
-          c.states.emplace_back();
-          for (const auto& st : states)
-            c.states.back().emplace_back(st.begin() + static_cast<std::ptrdiff_t>(at),
-                                         st.begin() + static_cast<std::ptrdiff_t>(at + n));
-        }
+    if (rank_ == 0) try {
         write_checkpoint(path, c);
       } catch (const std::exception& e) {
         problem = e.what();
       }
-    }
     all_ranks_succeed(problem);
   }
 
@@ -366,39 +363,20 @@ class DataParallel {
       check_no_open_bucket("load_checkpoint");
       check_no_open_parameters("load_checkpoint");
       c = read_checkpoint(path);
-      check_checkpoint(c, path);
+      detail::check_checkpoint(c, path, layout_, Opt::name, state_.state_count(), pdtype_);
     } catch (const std::exception& e) {
       problem = e.what();
     }
     all_ranks_succeed(problem);
     StreamScope scope(*this, Exit::leave);
-    // backend_.copy from host memory: a copy may read `c` as late as when it runs on the work stream (the
-    // stream-faithful backend's rule), so `c` must outlive them: the synchronize below.
-    for (std::size_t i = 0; i < layout_.size(); ++i) {
-      const std::size_t at = flat_index(i), n = layout_[i].numel;
-      if (n == 0) continue;
-      if constexpr (!shards_params_)
-        backend_.copy(param_flat_.data() + at * psize_, c.params[i].data(), n * psize_, work_stream());
-      const Placement& place = plan_.placement(i);
-      const Range owned = owned_range(place.bucket);
-      const std::size_t begin = std::max(at, owned.begin), end = std::min(at + n, owned.end);
-      if (begin >= end) continue;
-      const std::size_t into = owned_offset(place.bucket) + (begin - owned.begin), from = begin - at;
-      if constexpr (shards_params_)
-        backend_.copy(param_shard_.data() + into * psize_, c.params[i].data() + from * psize_, (end - begin) * psize_,
-                      work_stream());
-      if (pdtype_ != DType::fp32)
-        backend_.copy(master_.data() + into, c.masters[i].data() + from, (end - begin) * sizeof(float), work_stream());
-      for (std::size_t k = 0; k < state_count_; ++k)
-        backend_.copy(state_[k].data() + into, c.states[i][k].data() + from, (end - begin) * sizeof(float),
-                      work_stream());
-    }
+    // The copies read `c` as late as when they run on the work stream (the stream-faithful backend's rule), so `c`
+    // must outlive them: the synchronize below.
+    detail::restore_checkpoint<P>(backend_, plan_, layout_, rank_, state_, c);
     step_ = c.step;
     reset_window();
     gathered_.forget();
     synced_ = true;
-    if (storage_ == Storage::user)
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) unpack_params(scope, b);
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) (this->*steps_->params_out)(scope, b);
     backend_.synchronize(work_stream());  // `c` (host memory the copies read) ends with this call
     scope.leave();
   }
@@ -417,22 +395,7 @@ class DataParallel {
   /// Bytes this rank holds for training, by category (see MemoryReport), counted from the actual allocations.
   /// estimate_memory (front/estimate.hpp) gives the same figures without constructing anything.
   TANDEM_COLD MemoryReport memory_report() const {
-    constexpr std::size_t f = sizeof(float);
-    const Buffers held{.param_flat = param_flat_.bytes() / psize_,
-                       .param_shard = param_shard_.bytes() / psize_,
-                       .param_slots = pslot_size_ == 0 ? 0 : param_slots_.bytes() / psize_ / pslot_size_,
-                       .param_slot_size = pslot_size_,
-                       .master = master_.bytes() / f,
-                       .state = state_[0].bytes() / f,
-                       .grad_flat = grad_flat_.bytes() / f,
-                       .grad_slots = slot_size_ == 0 ? 0 : grad_slots_.bytes() / f / slot_size_,
-                       .grad_slot_size = slot_size_,
-                       .staging = staging_.bytes() / f,
-                       .grad_shard = grad_shard_.bytes() / dtype_size(shard_dtype_),
-                       .reduce_buffer = reduce_buf_.bytes() / dtype_size(options_.reduce_dtype),
-                       .grad_shard_dtype = shard_dtype_};
-    const std::size_t arrays = (state_[0].data() != nullptr ? 1 : 0) + (state_[1].data() != nullptr ? 1 : 0);
-    return memory_of(held, buffer_inputs(), layout_.total_numel(), arrays);
+    return memory_of(state_.held(), buffer_inputs(), layout_.total_numel(), state_.state_count());
   }
 
   /// Owned storage only: tensor i's parameters, a view into tandem's parameter buckets. T must be the
@@ -446,7 +409,7 @@ class DataParallel {
     if (dtype_of<T> != pdtype_)
       detail::fail(std::string("tandem: param_view<") + dtype_name(dtype_of<T>) + ">(" + std::to_string(i) +
                    "): the parameters are " + dtype_name(pdtype_));
-    return reinterpret_cast<T*>(param_flat_.data()) + flat_index(i);
+    return reinterpret_cast<T*>(state_.param_flat()) + flat_index(i);
   }
 
   /// Owned storage only, under a policy that keeps full gradients (Replicated, OptimizerSharded): tensor i's
@@ -458,7 +421,7 @@ class DataParallel {
                   "grad_view needs a policy that keeps full-size gradients across the step; under a policy that "
                   "reduces every micro-step (GradientSharded) write each bucket's gradients through gradients(b)");
     check_view(i, "grad_view");
-    return grad_flat_.data() + flat_index(i);
+    return state_.grad_flat() + flat_index(i);
   }
 
   class GradientBucket;
@@ -480,7 +443,7 @@ class DataParallel {
       detail::fail("tandem: gradients(" + std::to_string(b) +
                    "): the bucket's gradients are already complete in this micro-step (released, or every tensor "
                    "announced by grad_ready); open each bucket at most once per micro-step");
-    if (grad_flat_.data() == nullptr) {
+    if (state_.grad_flat() == nullptr) {  // the bucket's gradients live in a reused slot while it is open
       const std::size_t slot = slots_.acquire(b, next_bucket_);
       try {
         backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
@@ -508,14 +471,10 @@ class DataParallel {
     check_bucket_call(b, "parameters");
     if (params_open_[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
-    if constexpr (shards_params_) {
-      std::size_t slot = gathered_.find(b);
-      if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
-      backend_.wait(options_.stream, pslot_ready_[slot]);  // the pass reads the gathered bucket
-      gathered_.open(slot);
-    }
+    Ops ops{*this};
+    const void* params = P::open_parameters(ops, b);
     params_open_[b] = 1;
-    return ParameterBucket(*this, b);
+    return ParameterBucket(*this, b, params);
   }
 
   /// Under ParameterSharded: starts gathering bucket b's parameters now, on the work stream, so that the gather
@@ -525,11 +484,10 @@ class DataParallel {
   void prefetch_parameters(std::size_t b) {
     check_stepping("prefetch_parameters(b)");
     check_bucket_call(b, "prefetch_parameters");
-    if constexpr (shards_params_) {
-      std::size_t slot = gathered_.find(b);
-      if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
-      if (!gathered_.held(slot)) gathered_.prefetched(slot);  // reserved until opened, even if it was gathered before
-    }
+    if (gathered_.slots() == 0) return;  // the policy keeps every parameter: nothing is gathered for use
+    std::size_t slot = gathered_.find(b);
+    if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
+    if (!gathered_.held(slot)) gathered_.prefetched(slot);  // reserved until opened, even if it was gathered before
   }
 
   /// Owned storage: writes the initial parameters on `root` and gives them to every rank, bucket by bucket, then
@@ -568,16 +526,17 @@ class DataParallel {
       all_ranks_succeed(problem);
     };
     synced_ = false;  // until every bucket is written
-    if constexpr (!shards_params_) {
+    if (state_.param_flat() != nullptr) {  // every rank keeps every parameter: fill the root's, then broadcast
       {
         const StreamScope scope(*this, Exit::leave);  // the user's stream writes after tandem's last use of the views
       }
-      fill_on_root(0, plan_.num_buckets(), [&](std::size_t i) { return param_view<T>(i); });
-      broadcast_parameters(root);
-    } else {
+      fill_on_root(0, plan_.num_buckets(),
+                   [&](std::size_t i) { return reinterpret_cast<T*>(state_.param_flat()) + flat_index(i); });
+      broadcast_from(root);
+    } else {  // the parameters live in shards: one bucket at a time through a gather buffer
       StreamScope scope(*this, Exit::leave);
       gathered_.forget();
-      unsigned char* slot = gather_buffer(0);  // the first gather buffer, bucket after bucket
+      unsigned char* slot = state_.gather_buffer(0);  // the first gather buffer, bucket after bucket
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
         const Bucket& bucket = plan_.bucket(b);
         backend_.wait(work_stream(), pslot_free_[0]);  // the user's last reads of the buffer, and its last fill
@@ -588,7 +547,7 @@ class DataParallel {
         backend_.record(pslot_free_[0], options_.stream);
         backend_.wait(work_stream(), pslot_free_[0]);
         comm_.broadcast(slot, slot, bucket.size, pdtype_, root, work_stream());
-        backend_.copy(param_shard_.data() + bucket.shard_offset * psize_,
+        backend_.copy(state_.param_shard() + bucket.shard_offset * psize_,
                       slot + static_cast<std::size_t>(rank_) * bucket.shard_size * psize_, bucket.shard_size * psize_,
                       work_stream());
       }
@@ -725,7 +684,7 @@ class DataParallel {
       if (dtype_of<T> != d.pdtype_)
         detail::fail(std::string("tandem: ParameterBucket::param<") + dtype_name(dtype_of<T>) + ">(" +
                      std::to_string(i) + "): the parameters are " + dtype_name(d.pdtype_));
-      return reinterpret_cast<const T*>(d.bucket_params(this->bucket_)) + at;
+      return static_cast<const T*>(params_) + at;
     }
 
     /// Gives the views back now: the gather buffer may take another bucket once the user's stream is past this point.
@@ -733,7 +692,9 @@ class DataParallel {
 
    private:
     friend class DataParallel;
-    ParameterBucket(DataParallel& dp, std::size_t b) : BucketHandle(dp, b, "ParameterBucket") {}
+    ParameterBucket(DataParallel& dp, std::size_t b, const void* params)
+        : BucketHandle(dp, b, "ParameterBucket"), params_(params) {}
+    const void* params_;  ///< the bucket's full parameters (the policy's open_parameters)
   };
 
   /// The optimizer's options (of group 0: every tensor's, unless set_optimizer_groups says otherwise); change them
@@ -851,11 +812,12 @@ class DataParallel {
       check_group(groups_[g], g, what);
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
-                   (shards_params_ ? " before initialize_parameters(): with sharded parameters, write the initial "
-                                     "parameters with initialize_parameters(fill) first"
-                                   : " before broadcast_parameters(): with owned storage, write the initial "
-                                     "parameters through the views and call broadcast_parameters() first (or use "
-                                     "initialize_parameters(fill))"));
+                   (state_.param_flat() == nullptr
+                        ? " before initialize_parameters(): with sharded parameters, write the initial "
+                          "parameters with initialize_parameters(fill) first"
+                        : " before broadcast_parameters(): with owned storage, write the initial "
+                          "parameters through the views and call broadcast_parameters() first (or use "
+                          "initialize_parameters(fill))"));
   }
 
   void check_no_open_bucket(const char* what) const {
@@ -883,15 +845,93 @@ class DataParallel {
                    std::to_string(plan_.num_buckets()) + " buckets");
   }
 
-  /// Sharded parameters: gathers bucket b into a free gather buffer on the work stream, after the user's stream is
-  /// done reading the buffer's previous bucket; returns the buffer. A gather that fails to issue leaves the ranks'
-  /// collective sequences apart, like a failed reduction.
+  void check_view(std::size_t i, const char* what) const {
+    if (storage_ != Storage::owned)
+      detail::fail(std::string("tandem: ") + what +
+                   " is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+    if (i >= layout_.size())
+      detail::fail(std::string("tandem: ") + what + "(" + std::to_string(i) + "): index out of range; the layout has " +
+                   std::to_string(layout_.size()) + " tensors");
+  }
+
+  // ---- the operations the policy's phase hooks call (policy/phases.hpp) -------------------------------------
+
+  /// What a policy's hooks act through (the contract is detail::ArchetypeBucketOps).
+  struct Ops {
+    DataParallel& dp;
+    bool window_ends() const { return dp.micro_ + 1 == dp.options_.accumulation_steps; }
+    void accumulate(std::size_t b) { (dp.*dp.steps_->accumulate)(b); }
+    void reduce(std::size_t b) { dp.reduce_local(b); }
+    void reduce_into_shard(std::size_t b) { dp.reduce_into_shard(b); }
+    void gather(std::size_t b) { P::gather_parameters(dp.comm_, dp.view(b, nullptr)); }
+    const void* parameters(std::size_t b) { return dp.param_bucket(b); }
+    const void* gather_for_use(std::size_t b) { return dp.gather_for_use(b); }
+  };
+
+  /// The 1/(N*k) that averages a micro-step's gradients over the ranks and the window.
+  float pack_scale() const {
+    return 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
+  }
+  /// Gradients cross ranks rounded to a 16-bit DataParallelOptions::reduce_dtype.
+  bool rounded_reduction() const { return options_.reduce_dtype != DType::fp32; }
+
+  /// ReduceAtBoundary: bucket b's full local gradients (grad_flat, where the micro-steps accumulated) reduced by the
+  /// policy; a rounded reduction is read back into the owned range, in fp32.
+  void reduce_local(std::size_t b) {
+    float* grads = state_.grad_flat() + plan_.bucket(b).offset;
+    const void* reduced = reduce(b, grads);
+    if (rounded_reduction())
+      kernels_.land(backend_, reduced, state_.grad_flat() + owned_range(b).begin, owned_range(b).size(),
+                    WriteMode::assign, work_stream());
+  }
+
+  /// ReduceEveryMicroStep: this micro-step's gradients of bucket b (the storage mode's) reduced by the policy and
+  /// landed in the shard accumulator (assigned at the window's first micro-step, added after); then they are dropped.
+  void reduce_into_shard(std::size_t b) {
+    float* grads = (this->*steps_->micro_step_gradients)(b);
+    const void* reduced = reduce(b, grads);
+    kernels_.land(backend_, reduced, owned_grads(b), plan_.bucket(b).shard_size,
+                  micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, work_stream());
+    (this->*steps_->gradients_reduced)(b, grads);
+  }
+
+  /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
+  /// rounded into the reduce buffer and reduced there (grads keep their values). Rounded, they are averaged first
+  /// (owned storage's gradients are sums; copy mode's pack averaged already), so that the sum fits a 16-bit range N*k
+  /// times larger, and both storage modes round the same values. Returns the reduced owned range (in the reduce dtype).
+  const void* reduce(std::size_t b, float* grads) {
+    const Bucket& bucket = plan_.bucket(b);
+    const std::size_t own = owned_range(b).begin - bucket.offset;
+    if (!rounded_reduction()) {
+      P::reduce_gradients(comm_, view(b, grads));
+      return grads + own;
+    }
+    unsigned char* wire = state_.reduce_buffer();
+    kernels_.round_for_reduction(backend_, grads, wire, bucket.size, steps_->averaged ? 1.0f : pack_scale(),
+                                 work_stream());
+    P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
+    return wire + own * dtype_size(options_.reduce_dtype);
+  }
+
+  /// GatherBeforeUse: bucket b's parameters gathered into a gather buffer (or found there from an earlier use since
+  /// the last step), the user's stream waiting for them; the buffer is held until the ParameterBucket is released.
+  const void* gather_for_use(std::size_t b) {
+    std::size_t slot = gathered_.find(b);
+    if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
+    backend_.wait(options_.stream, pslot_ready_[slot]);  // the pass reads the gathered bucket
+    gathered_.open(slot);
+    return state_.gather_buffer(slot);
+  }
+
+  /// Gathers bucket b into a free gather buffer on the work stream, after the user's stream is done reading the
+  /// buffer's previous bucket; returns the buffer. A gather that fails to issue leaves the ranks' collective sequences
+  /// apart, like a failed reduction.
   std::size_t gather_into_slot(std::size_t b) {
     const std::size_t slot = gathered_.assign(b);
     try {
       backend_.wait(work_stream(), pslot_free_[slot]);
       BucketView v = view(b, nullptr);
-      v.param = gather_buffer(slot);
+      v.param = state_.gather_buffer(slot);
       P::gather_parameters(comm_, v);
       backend_.record(pslot_ready_[slot], work_stream());
     } catch (const std::exception& e) {
@@ -902,26 +942,105 @@ class DataParallel {
     return slot;
   }
 
-  /// ParameterBucket::release: the user's stream records where its reads of the bucket end.
+  /// ParameterBucket::release: the user's stream records where its reads of a gathered bucket end.
   void release_params(std::size_t b) {
     params_open_[b] = 0;
-    if constexpr (shards_params_) {
-      const std::size_t slot = gathered_.find(b);
-      gathered_.close(slot);
-      backend_.record(pslot_free_[slot], options_.stream);
+    const std::size_t slot = gathered_.find(b);
+    if (slot == detail::GatherSlots::none) return;  // read where the policy keeps it
+    gathered_.close(slot);
+    backend_.record(pslot_free_[slot], options_.stream);
+  }
+
+  // ---- what the storage mode does in a step ----------------------------------------------------------------
+
+  /// The steps of one storage mode, chosen by the constructor taken (the user's buffers, or tandem's storage) and
+  /// instantiated for that mode only.
+  struct StorageSteps {
+    /// The user's parameters into bucket b, and back (copy mode; nothing where the user's tensors are the views).
+    void (DataParallel::*params_in)(const StreamScope&, std::size_t b);
+    void (DataParallel::*params_out)(const StreamScope&, std::size_t b);
+    /// ReduceAtBoundary: this micro-step's gradients of b added into grad_flat.
+    void (DataParallel::*accumulate)(std::size_t b);
+    /// ReduceEveryMicroStep: this micro-step's gradients of b in an fp32 bucket, and their release once reduced.
+    float* (DataParallel::*micro_step_gradients)(std::size_t b);
+    void (DataParallel::*gradients_reduced)(std::size_t b, float* grads);
+    /// The window's gradients are consumed: whatever backward adds into next starts from zero.
+    void (DataParallel::*clear_gradients)();
+    /// Whether the gradients tandem reduces already carry the 1/(N*k) average (copy mode's pack scales them).
+    bool averaged;
+    /// What construction does for this mode once the buffers exist.
+    void (DataParallel::*construct)(const StreamScope&);
+  };
+
+  template <Storage S>
+  static const StorageSteps& storage_steps() {
+    static constexpr StorageSteps steps{&DataParallel::template params_in_as<S>,
+                                        &DataParallel::template params_out_as<S>,
+                                        &DataParallel::template accumulate_as<S>,
+                                        &DataParallel::template micro_step_gradients_as<S>,
+                                        &DataParallel::template gradients_reduced_as<S>,
+                                        &DataParallel::template clear_gradients_as<S>,
+                                        S == Storage::user,
+                                        &DataParallel::template construct_as<S>};
+    return steps;
+  }
+
+  template <Storage S>
+  void params_in_as(const StreamScope&, std::size_t b) {
+    if constexpr (S == Storage::user)
+      kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), work_stream());
+  }
+  template <Storage S>
+  void params_out_as(const StreamScope&, std::size_t b) {
+    if constexpr (S == Storage::user)
+      kernels_.unpack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), work_stream());
+  }
+  template <Storage S>
+  void accumulate_as(std::size_t b) {  // owned storage: backward added into grad_flat itself
+    if constexpr (S == Storage::user)
+      kernels_.pack_grads(backend_, grad_tables_[b], state_.grad_flat() + plan_.bucket(b).offset,
+                          micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(),
+                          hint(b, sizeof(float)), work_stream());
+  }
+  template <Storage S>
+  float* micro_step_gradients_as(std::size_t b) {
+    if constexpr (S == Storage::user) {
+      float* staging = state_.staging();
+      kernels_.pack_grads(backend_, grad_tables_[b], staging, WriteMode::assign, pack_scale(), hint(b, sizeof(float)),
+                          work_stream());
+      for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
+        backend_.zero(staging + gap.begin, gap.size() * sizeof(float), work_stream());
+      return staging;
+    } else {
+      if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
+      return bucket_grads(b);
+    }
+  }
+  template <Storage S>
+  void gradients_reduced_as(std::size_t b, float* grads) {
+    if constexpr (S == Storage::owned) {  // the slot is zero again, and free for the next bucket
+      const std::size_t slot = slots_.slot_of(b);
+      backend_.zero(grads, plan_.bucket(b).size * sizeof(float), work_stream());
+      backend_.record(slot_events_[slot], work_stream());
+      slots_.release(b);
+    }
+  }
+  template <Storage S>
+  void clear_gradients_as() {  // copy mode assigns at the window's first micro-step instead
+    if constexpr (S == Storage::owned)
+      if (state_.grad_flat() != nullptr) backend_.zero(state_.grad_flat(), state_.grad_flat_bytes(), work_stream());
+  }
+  template <Storage S>
+  TANDEM_COLD void construct_as(const StreamScope& scope) {
+    if constexpr (S == Storage::user) {  // the user's buffers hold the parameters already
+      build_pack_tables();
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_in_as<S>(scope, b);
+      init_masters(scope);
+      synced_ = true;
     }
   }
 
-  /// Bucket b's full parameters: its part of the parameter buckets, or the gather buffer holding it.
-  const void* bucket_params(std::size_t b) const {
-    if constexpr (shards_params_) return gather_buffer(gathered_.find(b));
-    return param_bucket(b);
-  }
-
-  /// Sharded parameters: gather buffer s.
-  unsigned char* gather_buffer(std::size_t s) const {
-    return static_cast<unsigned char*>(param_slots_.data()) + s * pslot_size_ * psize_;
-  }
+  // ---- the accumulation window ------------------------------------------------------------------------------
 
   /// Issues the buckets that grad_ready or a released GradientBucket has completed, if the next one in bucket order is.
   void issue_completed_buckets() {
@@ -951,13 +1070,6 @@ class DataParallel {
               "incomplete";
   }
 
-  /// Owned storage keeps the gradients backward adds into: zero them once consumed (slots are zeroed as they are
-  /// freed).
-  void clear_owned_gradients() {
-    if (storage_ == Storage::owned && grad_flat_.data() != nullptr)
-      backend_.zero(grad_flat_.data(), grad_flat_.bytes(), work_stream());
-  }
-
   /// Starts a clean accumulation window (load_checkpoint, discard_gradients): no micro-step taken, no bucket announced,
   /// open or holding a gradient slot, and every gradient buffer zero.
   void reset_window() {
@@ -967,22 +1079,23 @@ class DataParallel {
     next_bucket_ = 0;
     slots_.clear();
     broken_.clear();
-    clear_owned_gradients();
-    if (grad_slots_.data() != nullptr) backend_.zero(grad_slots_.data(), grad_slots_.bytes(), work_stream());
+    (this->*steps_->clear_gradients)();
+    if (state_.grad_slots() != 0) backend_.zero(state_.grad_slots_data(), state_.grad_slots_bytes(), work_stream());
     for (std::size_t k = 0; k < slot_events_.size(); ++k) backend_.record(slot_events_[k], work_stream());
   }
 
   /// Bucket b's gradients in this micro-step: its part of grad_flat, or the slot it holds.
   float* bucket_grads(std::size_t b) const {
-    if (grad_flat_.data() != nullptr) return grad_flat_.data() + plan_.bucket(b).offset;
-    return grad_slots_.data() + slots_.slot_of(b) * slot_size_;
+    if (state_.grad_flat() != nullptr) return state_.grad_flat() + plan_.bucket(b).offset;
+    return state_.grad_slot(slots_.slot_of(b));
   }
 
   /// A bucket whose reduction fails to issue leaves the ranks' collective sequences apart: the micro-step is over.
-  void issue_ready_buckets(const StreamScope& scope, bool all) {
+  void issue_ready_buckets(const StreamScope&, bool all) {
+    Ops ops{*this};
     for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_) {
       try {
-        issue_bucket(scope, next_bucket_);
+        P::gradients_complete(ops, next_bucket_);
       } catch (const std::exception& e) {
         broken_ = "issuing bucket " + std::to_string(next_bucket_) + "'s reduction failed (" + e.what() + ")";
         throw;
@@ -996,91 +1109,6 @@ class DataParallel {
            bucket_ready_[next_bucket_] == plan_.bucket(next_bucket_).tensors.size();
   }
 
-  /// One micro-step's work on bucket b: pack its gradients and reduce them as the policy says.
-  void issue_bucket(const StreamScope& scope, std::size_t b) {
-    const bool first = micro_ == 0;
-    const bool boundary = micro_ + 1 == options_.accumulation_steps;
-    const WriteMode mode = first ? WriteMode::assign : WriteMode::accumulate;
-    const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
-    const Bucket& bucket = plan_.bucket(b);
-    if constexpr (P::reduction == GradientReduction::every_micro_step) {
-      float* send = staging_.data();
-      if (storage_ == Storage::user) {
-        pack_grads(scope, b, send, WriteMode::assign, pack_scale);
-        for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
-          backend_.zero(send + gap.begin, gap.size() * sizeof(float), work_stream());
-      } else {
-        if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
-        send = bucket_grads(b);
-      }
-      const Grads mine = reduce(b, send, pack_scale);
-      land(mine, {grad_shard_.data() + bucket.shard_offset * dtype_size(shard_dtype_), shard_dtype_}, bucket.shard_size,
-           mode);
-      if (storage_ == Storage::owned) {  // the slot is zero again, and free for the next bucket
-        const std::size_t slot = slots_.slot_of(b);
-        backend_.zero(send, bucket.size * sizeof(float), work_stream());
-        backend_.record(slot_events_[slot], work_stream());
-        slots_.release(b);
-      }
-    } else {
-      float* grads = grad_flat_.data() + bucket.offset;
-      if (storage_ == Storage::user) pack_grads(scope, b, grads, mode, pack_scale);
-      if (!boundary) return;
-      const Grads mine = reduce(b, grads, pack_scale);
-      if (mine.dtype != DType::fp32)
-        land(mine, {grads + (owned_range(b).begin - bucket.offset), DType::fp32}, owned_range(b).size(),
-             WriteMode::assign);
-    }
-  }
-
-  /// Gradients of some range, and their dtype.
-  struct Grads {
-    const void* data;
-    DType dtype;
-  };
-
-  /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
-  /// rounded into reduce_buf_ and reduced there (grads keep their values). Rounded, they are averaged first (owned
-  /// storage's gradients are sums; `average` is the 1/(N*k) that copy mode's pack applied already), so that the sum
-  /// fits a 16-bit range N*k times larger, and both storage modes round the same values.
-  Grads reduce(std::size_t b, float* grads, float average) {
-    const Bucket& bucket = plan_.bucket(b);
-    const std::size_t own = owned_range(b).begin - bucket.offset;
-    if (options_.reduce_dtype == DType::fp32) {
-      P::reduce_gradients(comm_, view(b, grads));
-      return {grads + own, DType::fp32};
-    }
-    return visit_param_dtype(options_.reduce_dtype, [&](auto tag) -> Grads {
-      using R = decltype(tag);
-      R* wire = reinterpret_cast<R*>(reduce_buf_.data());
-      const float scale = storage_ == Storage::owned ? average : 1.0f;
-      backend_.launch(cast_items(bucket.size), CastBody<float, R>{grads, wire, bucket.size, scale}, work_stream());
-      P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
-      return {wire + own, options_.reduce_dtype};
-    });
-  }
-
-  /// to = (or +=) the reduced values `from`, n elements: into fp32, or copied into a shard of their own 16-bit dtype
-  /// (buffers_for keeps the shard 16-bit only where nothing accumulates into it).
-  void land(const Grads& from, const Grads& to, std::size_t n, WriteMode mode) {
-    visit_param_dtype(from.dtype, [&](auto tag) {
-      using R = decltype(tag);
-      const R* src = static_cast<const R*>(from.data);
-      if (to.dtype != DType::fp32) {
-        if (to.dtype != from.dtype || mode != WriteMode::assign)
-          detail::fail("tandem: internal error: a 16-bit gradient shard can only be assigned its own dtype");
-        R* dst = static_cast<R*>(const_cast<void*>(to.data));
-        backend_.launch(cast_items(n), CastBody<R, R>{src, dst, n, 1.0f}, work_stream());
-        return;
-      }
-      float* dst = static_cast<float*>(const_cast<void*>(to.data));
-      if (mode == WriteMode::assign)
-        backend_.launch(cast_items(n), CastBody<R, float, WriteMode::assign>{src, dst, n, 1.0f}, work_stream());
-      else
-        backend_.launch(cast_items(n), CastBody<R, float, WriteMode::accumulate>{src, dst, n, 1.0f}, work_stream());
-    });
-  }
-
   std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
     return detail::all_gather_words(comm_, backend_, mine);
   }
@@ -1088,8 +1116,9 @@ class DataParallel {
 
   // ---- construction -------------------------------------------------------------------------------------
 
-  TANDEM_COLD void construct(std::vector<TensorSpec> specs, Storage storage) {
+  TANDEM_COLD void construct(std::vector<TensorSpec> specs, Storage storage, const StorageSteps& steps) {
     storage_ = storage;
+    steps_ = &steps;
     world_ = comm_.size();
     rank_ = comm_.rank();
     if (world_ < 1) detail::fail("tandem: the communicator's size is " + std::to_string(world_) + "; it must be >= 1");
@@ -1101,13 +1130,18 @@ class DataParallel {
       detail::validate(options_);
       Opt::validate(groups_[0]);
       layout_ = Layout(std::move(specs));
-      validate_tensors();
+      detail::validate_one_dtype(layout_);
+      if (storage_ == Storage::user) detail::validate_user_buffers(layout_, refs_);
     } catch (const std::exception& e) {
       problem = e.what();
     } catch (...) {
       problem = "tandem: an unknown exception was thrown while validating the arguments";
     }
-    agree_across_ranks(problem);
+    all_ranks_succeed(problem);
+    detail::agree_on_configuration(comm_, backend_,
+                                   detail::configuration_of(layout_, P::name,
+                                                            detail::fnv1a(Opt::name) ^ Opt::fingerprint(groups_[0]),
+                                                            options_, storage_, world_));
     StreamScope scope(*this, Exit::leave);  // the user's buffers as written on the user's stream
 
     pdtype_ = layout_[0].dtype;
@@ -1117,172 +1151,26 @@ class DataParallel {
     build_segments();
     ready_.assign(layout_.size(), 0);
     bucket_ready_.assign(plan_.num_buckets(), 0);
-    if (storage_ == Storage::user) {
-      build_pack_tables();
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) pack_params(scope, b);
-      init_masters(scope);
-      synced_ = true;
-    }
+    (this->*steps_->construct)(scope);
     scope.leave();
-  }
-
-  void check_view(std::size_t i, const char* what) const {
-    if (storage_ != Storage::owned)
-      detail::fail(std::string("tandem: ") + what +
-                   " is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
-    if (i >= layout_.size())
-      detail::fail(std::string("tandem: ") + what + "(" + std::to_string(i) + "): index out of range; the layout has " +
-                   std::to_string(layout_.size()) + " tensors");
-  }
-
-  TANDEM_COLD void validate_tensors() const {
-    detail::validate_one_dtype(layout_);
-    if (storage_ == Storage::owned) return;
-    struct Span {
-      std::uintptr_t begin, end;
-      std::size_t tensor;
-      const char* what;
-    };
-    std::vector<Span> spans;
-    for (std::size_t i = 0; i < refs_.size(); ++i) {
-      const TensorRef& t = refs_[i];
-      if (t.numel == 0) continue;
-      if (t.param == nullptr) detail::fail(layout_.describe(i) + ": param pointer is null");
-      if (t.grad == nullptr) detail::fail(layout_.describe(i) + ": grad pointer is null");
-      const std::size_t bytes = t.numel * dtype_size(t.dtype);
-      const auto p = reinterpret_cast<std::uintptr_t>(t.param), g = reinterpret_cast<std::uintptr_t>(t.grad);
-      if (p % dtype_size(t.dtype) != 0 || g % dtype_size(t.dtype) != 0)
-        detail::fail(layout_.describe(i) + ": buffers must be aligned to their element size (" +
-                     std::to_string(dtype_size(t.dtype)) + " bytes)");
-      spans.push_back({p, p + bytes, i, "param"});
-      spans.push_back({g, g + bytes, i, "grad"});
-    }
-    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    for (std::size_t k = 1; k < spans.size(); ++k)
-      if (spans[k].begin < spans[k - 1].end)
-        detail::fail(layout_.describe(spans[k - 1].tensor) + "'s " + spans[k - 1].what + " buffer overlaps " +
-                     layout_.describe(spans[k].tensor) + "'s " + spans[k].what +
-                     " buffer; every parameter and gradient needs its own memory");
-  }
-
-  /// The owned part of an fp32 array (master weights or optimizer state) gathered over the whole flat space.
-  TANDEM_COLD std::vector<float> gather_owned(const float* owned) {
-    const std::vector<unsigned char> bytes = gather_owned(owned, DType::fp32);
-    std::vector<float> full(plan_.total_size());
-    std::memcpy(full.data(), bytes.data(), bytes.size());
-    return full;
-  }
-  /// The same for an array of `dtype` (the parameter shards under a policy that shards them), as bytes.
-  TANDEM_COLD std::vector<unsigned char> gather_owned(const void* owned, DType dtype) {
-    const std::size_t size = dtype_size(dtype);
-    Buffer<unsigned char> gathered = backend_.template allocate<unsigned char>(plan_.total_size() * size);
-    const auto* from = static_cast<const unsigned char*>(owned);
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      const Bucket& bucket = plan_.bucket(b);
-      if (P::state == StateSharding::replicated)
-        backend_.copy(gathered.data() + bucket.offset * size, from + bucket.offset * size, bucket.size * size,
-                      work_stream());
-      else
-        comm_.all_gather(from + bucket.shard_offset * size, gathered.data() + bucket.offset * size, bucket.shard_size,
-                         dtype, work_stream());
-    }
-    std::vector<unsigned char> full(gathered.bytes());
-    backend_.read(full.data(), gathered.data(), gathered.bytes(), work_stream());
-    return full;
-  }
-
-  TANDEM_COLD void check_checkpoint(const CheckpointData& c, const std::string& path) const {
-    const std::string where = "tandem: the checkpoint `" + path + "` ";
-    if (c.optimizer != Opt::name || c.state_count != state_count_)
-      detail::fail(where + "holds " + c.optimizer + " state (" + std::to_string(c.state_count) +
-                   " arrays) but this DataParallel uses " + Opt::name + " (" + std::to_string(state_count_) + ")");
-    if (c.param_dtype != pdtype_)
-      detail::fail(where + "holds " + dtype_name(c.param_dtype) + " parameters but these are " + dtype_name(pdtype_));
-    if (c.tensors.size() != layout_.size())
-      detail::fail(where + "holds " + std::to_string(c.tensors.size()) + " tensors but the layout has " +
-                   std::to_string(layout_.size()));
-    for (std::size_t i = 0; i < layout_.size(); ++i) {
-      const TensorSpec& t = c.tensors[i];
-      if (t.name != layout_[i].name || t.numel != layout_[i].numel || t.dtype != layout_[i].dtype)
-        detail::fail(where + "differs at " + layout_.describe(i) + ": it holds `" + t.name + "` with " +
-                     std::to_string(t.numel) + " " + dtype_name(t.dtype) + " elements");
-    }
-  }
-
-  /// Every rank publishes any local problem, then its layout's fingerprint and configuration; every rank then
-  /// throws the same kind of error if any rank had a problem or the ranks disagree. Nobody hangs.
-  TANDEM_COLD void agree_across_ranks(const std::string& problem) {
-    all_ranks_succeed(problem);
-    constexpr std::size_t words = 14;
-    std::vector<std::uint64_t> mine(words, 0);
-    mine[0] = layout_.fingerprint();
-    mine[1] = layout_.size();
-    mine[2] = layout_.total_numel();
-    mine[3] = detail::fnv1a(P::name);
-    mine[4] = detail::fnv1a(Opt::name) ^ Opt::fingerprint(groups_[0]);
-    mine[5] = static_cast<std::uint64_t>(options_.accumulation_steps);
-    mine[6] = options_.bucket_cap_bytes;
-    mine[7] = options_.first_bucket_cap_bytes;
-    mine[8] = static_cast<std::uint64_t>(storage_);
-    mine[9] = static_cast<std::uint64_t>(world_);
-    std::memcpy(&mine[10], &options_.max_grad_norm, sizeof(float));
-    mine[10] |= static_cast<std::uint64_t>(options_.non_finite) << 32;
-    mine[11] = static_cast<std::uint64_t>(options_.gradient_buffers);
-    mine[12] = static_cast<std::uint64_t>(options_.parameter_buffers);
-    mine[13] = static_cast<std::uint64_t>(options_.reduce_dtype);
-    const std::vector<std::uint64_t> all = all_gather_words(mine);
-    const std::uint64_t* w0 = all.data();
-    for (int r = 1; r < world_; ++r) {
-      const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
-      if (w[0] != w0[0])
-        detail::fail("tandem: the tensor layout differs between ranks: rank 0 has " + std::to_string(w0[1]) +
-                     " tensors of " + std::to_string(w0[2]) + " elements, rank " + std::to_string(r) + " has " +
-                     std::to_string(w[1]) + " tensors of " + std::to_string(w[2]) +
-                     " elements (or other names, sizes or dtypes); every rank must pass the same tensors in the "
-                     "same order");
-      if (!std::equal(w0 + 3, w0 + words, w + 3))
-        detail::fail("tandem: ranks 0 and " + std::to_string(r) +
-                     " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, "
-                     "bucket caps, storage, world size, max_grad_norm, non_finite, gradient_buffers, "
-                     "parameter_buffers or reduce_dtype); every rank must use the same configuration");
-    }
   }
 
   BufferInputs buffer_inputs() const { return detail::buffer_inputs(plan_, pdtype_, storage_, options_); }
 
-  /// Allocates the buffers the policy's rule and the front ask for (buffers_for<P>); memory_report() counts them.
+  /// Allocates the buffers the policy's rule and the front ask for (buffers_for<P>), types the kernels for them, and
+  /// makes the bookkeeping of the reused buffers.
   TANDEM_COLD void allocate() {
-    state_count_ = Opt::state_count(groups_[0]);
-    const Buffers need = buffers_for<P>(buffer_inputs());
-    auto zeroed = [&](auto& buffer, std::size_t n) {
-      using T = std::remove_pointer_t<decltype(buffer.data())>;
-      if (n == 0) return;
-      buffer = backend_.template allocate<T>(n);
-      backend_.zero(buffer.data(), buffer.bytes(), work_stream());  // padding stays zero forever
-    };
-    zeroed(param_flat_, need.param_flat * psize_);
-    zeroed(param_shard_, need.param_shard * psize_);
-    zeroed(param_slots_, need.param_slots * need.param_slot_size * psize_);
-    pslot_size_ = need.param_slot_size;
-    gathered_ = detail::GatherSlots(need.param_slots);
-    for (std::size_t k = 0; k < need.param_slots; ++k) {
+    state_ = detail::TrainingState<Backend>(backend_, buffers_for<P>(buffer_inputs()), pdtype_, options_.reduce_dtype,
+                                            Opt::state_count(groups_[0]), work_stream());
+    kernels_ = detail::BucketKernels<Opt, Backend>::make(pdtype_, options_.reduce_dtype, state_.grad_shard_dtype());
+    gathered_ = detail::GatherSlots(state_.gather_buffers());
+    for (std::size_t k = 0; k < state_.gather_buffers(); ++k) {
       pslot_ready_.push_back(backend_.make_event());
       pslot_free_.push_back(backend_.make_event());
     }
     params_open_.assign(plan_.num_buckets(), 0);
-    if (need.master != 0) master_ = backend_.template allocate<float>(need.master);
-    for (std::size_t k = 0; k < state_count_; ++k) zeroed(state_[k], need.state);
-    zeroed(grad_flat_, need.grad_flat);
-    zeroed(staging_, need.staging);
-    zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
-    shard_dtype_ = need.grad_shard_dtype;
-    if (need.grad_shard != 0)
-      grad_shard_ = backend_.template allocate<unsigned char>(need.grad_shard * dtype_size(shard_dtype_));
-    if (need.reduce_buffer != 0)
-      reduce_buf_ = backend_.template allocate<unsigned char>(need.reduce_buffer * dtype_size(options_.reduce_dtype));
-    slot_size_ = need.grad_slot_size;
-    slots_ = detail::SlotPool(need.grad_slots, plan_.num_buckets());
-    for (std::size_t k = 0; k < need.grad_slots; ++k) slot_events_.push_back(backend_.make_event());
+    slots_ = detail::SlotPool(state_.grad_slots(), plan_.num_buckets());
+    for (std::size_t k = 0; k < state_.grad_slots(); ++k) slot_events_.push_back(backend_.make_event());
     bucket_open_.assign(plan_.num_buckets(), 0);
   }
 
@@ -1300,7 +1188,7 @@ class DataParallel {
     // Built once, kept in backend memory: a step launches with three pointers per bucket and copies nothing.
     param_tables_ = ResidentPackTables<Backend>(backend_, param_tables, work_stream());
     grad_tables_ = ResidentPackTables<Backend>(backend_, grad_tables, work_stream());
-    if (P::reduction != GradientReduction::every_micro_step) return;
+    if (state_.staging() == nullptr) return;
     staging_gaps_.resize(plan_.num_buckets());  // bucket elements no tensor covers: alignment gaps, padding
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       std::size_t at = 0;
@@ -1312,31 +1200,41 @@ class DataParallel {
     }
   }
 
-  // ---- kernels --------------------------------------------------------------------------------------------
+  // ---- where things are -----------------------------------------------------------------------------------
 
-  std::size_t flat_index(std::size_t tensor) const {
-    const Placement& at = plan_.placement(tensor);
-    return plan_.bucket(at.bucket).offset + at.offset;
-  }
+  std::size_t flat_index(std::size_t tensor) const { return detail::flat_index(plan_, tensor); }
 
   /// Bucket b's part of the full parameter buffer (none under sharded parameters).
   void* param_bucket(std::size_t b) const {
-    if (param_flat_.data() == nullptr) return nullptr;
-    return static_cast<unsigned char*>(param_flat_.data()) + plan_.bucket(b).offset * psize_;
+    if (state_.param_flat() == nullptr) return nullptr;
+    return state_.param_flat() + plan_.bucket(b).offset * psize_;
   }
 
-  /// The parameters of bucket b's owned range (where the update writes): in the full buffer, or this rank's shard.
+  /// The owned flat range of bucket b (the policy's rule), and where it starts in the owned space.
+  Range owned_range(std::size_t b) const { return tandem::owned_range<P>(plan_, b, rank_); }
+  std::size_t owned_offset(std::size_t b) const { return tandem::owned_offset<P>(plan_, b); }
+
+  /// The parameters of bucket b's owned range (where the update writes): this rank's shard, or in the full buffer.
   void* owned_params(std::size_t b) const {
-    if constexpr (shards_params_) return param_shard_.data() + plan_.bucket(b).shard_offset * psize_;
-    return static_cast<unsigned char*>(param_flat_.data()) + owned_range(b).begin * psize_;
+    if (state_.param_shard() != nullptr) return state_.param_shard() + owned_offset(b) * psize_;
+    return state_.param_flat() + owned_range(b).begin * psize_;
+  }
+
+  /// The reduced gradients of bucket b's owned range (where the update reads them): the shard accumulator, or the
+  /// owned part of the full gradients.
+  void* owned_grads(std::size_t b) const {
+    if (state_.grad_shard() != nullptr)
+      return state_.grad_shard() + plan_.bucket(b).shard_offset * dtype_size(state_.grad_shard_dtype());
+    return state_.grad_flat() + owned_range(b).begin;
   }
 
   BucketView view(std::size_t b, void* grads, DType grad_dtype = DType::fp32) const {
     const Bucket& bucket = plan_.bucket(b);
     void* param = param_bucket(b);  // under sharded parameters none: a gather names its buffer
-    const void* shard = shards_params_ ? owned_params(b)
-                                       : static_cast<unsigned char*>(param) +
-                                             static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
+    const void* shard = state_.param_shard() != nullptr
+                            ? owned_params(b)
+                            : static_cast<unsigned char*>(param) +
+                                  static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
     return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
@@ -1344,99 +1242,29 @@ class DataParallel {
     return store_hint_for(plan_.bucket(b).size * element_bytes);
   }
 
-  void pack_params(const StreamScope&, std::size_t b) {
-    const PackTableView& t = param_tables_[b];
-    visit_param_dtype(pdtype_, [&](auto tag) {
-      using T = decltype(tag);
-      backend_.launch(t.items,
-                      PackBody<T, T, PackDirection::to_bucket>{t.reading_user, t.tensors,
-                                                               static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
-                      work_stream());
-    });
-  }
-
-  void unpack_params(const StreamScope&, std::size_t b) {
-    const PackTableView& t = param_tables_[b];
-    visit_param_dtype(pdtype_, [&](auto tag) {
-      using T = decltype(tag);
-      backend_.launch(t.items,
-                      PackBody<T, T, PackDirection::from_bucket>{
-                          t.reading_bucket, t.tensors, static_cast<T*>(param_bucket(b)), 1.0f, hint(b, psize_)},
-                      work_stream());
-    });
-  }
-
-  void pack_grads(const StreamScope&, std::size_t b, float* bucket, WriteMode mode, float scale) {
-    const PackTableView& t = grad_tables_[b];
-    visit_param_dtype(pdtype_, [&](auto tag) {
-      using T = decltype(tag);
-      if (mode == WriteMode::assign)
-        backend_.launch(t.items,
-                        PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{
-                            t.reading_user, t.tensors, bucket, scale, hint(b, sizeof(float))},
-                        work_stream());
-      else
-        backend_.launch(t.items,
-                        PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{t.reading_user, t.tensors,
-                                                                                            bucket, scale},
-                        work_stream());
-    });
-  }
-
-  /// The owned flat range of bucket b, and where it starts in the owned (master/state) space.
-  Range owned_range(std::size_t b) const {
-    const Bucket& bucket = plan_.bucket(b);
-    if (P::state == StateSharding::replicated) return {bucket.offset, bucket.offset + bucket.size};
-    return plan_.shard(b, rank_);
-  }
-  std::size_t owned_offset(std::size_t b) const {
-    return P::state == StateSharding::replicated ? plan_.bucket(b).offset : plan_.bucket(b).shard_offset;
-  }
-
-  /// f(G{}) for the reduced gradients' element type G: fp32 under a policy that reduces at the boundary (they land in
-  /// grad_flat), else the shard's dtype.
-  template <class F>
-  void visit_grads(const Grads& grads, F&& f) const {
-    if constexpr (P::reduction == GradientReduction::at_boundary)
-      f(float{});
-    else
-      visit_param_dtype(grads.dtype, std::forward<F>(f));
-  }
-
-  /// The reduced gradients of bucket b's owned range (where the update reads them).
-  Grads owned_grads(std::size_t b) const {
-    if constexpr (P::reduction == GradientReduction::every_micro_step)
-      return {grad_shard_.data() + plan_.bucket(b).shard_offset * dtype_size(shard_dtype_), shard_dtype_};
-    return {grad_flat_.data() + owned_range(b).begin, DType::fp32};
-  }
+  // ---- the optimizer step ---------------------------------------------------------------------------------
 
   /// The squared global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in
-  /// bucket order) of shard (b, r)'s sum of squares. Under sharded state each rank computes its own term and
-  /// one scalar all-reduce adds them in rank order; under replicated state each rank computes every term
-  /// itself in the same order. Either way the result is bitwise the same under every policy.
+  /// bucket order) of shard (b, r)'s sum of squares. A rank that owns every shard (replicated state) computes every
+  /// term itself in that order; a rank that owns one computes its own, and one scalar all-reduce adds them in rank
+  /// order. Either way the result is bitwise the same under every policy.
   ///
   /// Every term is summed into backend memory, combined there in that order (OrderedSumBody), all-reduced there,
   /// and only the total is read back: the one point where step() waits for the work stream (docs/cuda.md).
   double global_sum_of_squares(const StreamScope&) {
     const std::size_t buckets = plan_.num_buckets();
-    const std::size_t ranks = P::state == StateSharding::replicated ? static_cast<std::size_t>(world_) : 1;
-    if (norm_terms_.size() != ranks * buckets + 1)
-      norm_terms_ = backend_.template allocate<double>(ranks * buckets + 1);
-    double* total = norm_terms_.data() + ranks * buckets;
-    for (std::size_t g = 0; g < ranks; ++g)
+    const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
+    const std::size_t gsize = dtype_size(state_.grad_shard() != nullptr ? state_.grad_shard_dtype() : DType::fp32);
+    double* terms = state_.norm_terms(backend_, shards * buckets + 1);
+    double* total = terms + shards * buckets;
+    for (std::size_t g = 0; g < shards; ++g)
       for (std::size_t b = 0; b < buckets; ++b) {
         const std::size_t n = plan_.bucket(b).shard_size;
-        const Grads grads = owned_grads(b);
-        visit_grads(grads, [&](auto tag) {
-          using G = decltype(tag);
-          const G* x = static_cast<const G*>(grads.data);
-          if (P::state == StateSharding::replicated) x += g * n;
-          backend_.sum_to(sum_squares_items(n), SumSquaresBody{x, n}, norm_terms_.data() + g * buckets + b,
-                          work_stream());
-        });
+        const auto* x = static_cast<const unsigned char*>(owned_grads(b)) + g * n * gsize;
+        kernels_.sum_squares(backend_, x, n, terms + g * buckets + b, work_stream());
       }
-    backend_.launch(1, OrderedSumBody{norm_terms_.data(), ranks, buckets, total}, work_stream());
-    if (P::state != StateSharding::replicated)
+    backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
+    if (shards < static_cast<std::size_t>(world_))  // each rank holds its own shards' terms
       comm_.all_reduce(total, total, 1, DType::fp64, ReduceOp::sum, work_stream());
     double host = 0.0;
     backend_.read(&host, total, sizeof host, work_stream());
@@ -1445,39 +1273,29 @@ class DataParallel {
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
   TANDEM_COLD void init_masters(const StreamScope&) {
-    if (pdtype_ == DType::fp32) return;
-    visit_param_dtype(pdtype_, [&](auto tag) {
-      using T = decltype(tag);
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-        const Range r = owned_range(b);
-        const T* src = static_cast<const T*>(owned_params(b));
-        backend_.launch(cast_items(r.size()), CastBody<T, float>{src, master_.data() + owned_offset(b), r.size(), 1.0f},
-                        work_stream());
-      }
-    });
+    if (state_.master() == nullptr) return;
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b)
+      kernels_.masters_from_params(backend_, owned_params(b), state_.master() + owned_offset(b), owned_range(b).size(),
+                                   work_stream());
   }
 
   /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group.
   void update(const StreamScope&, std::size_t b, const std::vector<typename Opt::Scalars>& scalars, float grad_scale) {
-    const Grads grads = owned_grads(b);
-    visit_param_dtype(pdtype_, [&](auto ptag) {
-      visit_grads(grads, [&](auto gtag) {
-        using T = decltype(ptag);
-        using G = decltype(gtag);
-        for (const Segment& seg : segments_[b]) {
-          UpdateArgs<T, G> a;
-          a.param = static_cast<T*>(owned_params(b)) + seg.begin;
-          a.master =
-              pdtype_ == DType::fp32 ? reinterpret_cast<float*>(a.param) : master_.data() + owned_offset(b) + seg.begin;
-          a.grad = static_cast<const G*>(grads.data) + seg.begin;
-          for (std::size_t k = 0; k < 2; ++k)
-            a.state[k] = state_[k].data() ? state_[k].data() + owned_offset(b) + seg.begin : nullptr;
-          a.n = seg.end - seg.begin;
-          a.grad_scale = grad_scale;
-          backend_.launch(update_items(a.n), typename Opt::template Body<T, G>{a, scalars[seg.group]}, work_stream());
-        }
-      });
-    });
+    const std::size_t gsize = dtype_size(state_.grad_shard() != nullptr ? state_.grad_shard_dtype() : DType::fp32);
+    auto* params = static_cast<unsigned char*>(owned_params(b));
+    const auto* grads = static_cast<const unsigned char*>(owned_grads(b));
+    for (const Segment& seg : segments_[b]) {
+      detail::UpdateRange r;
+      r.param = params + seg.begin * psize_;
+      r.master = state_.master() != nullptr ? state_.master() + owned_offset(b) + seg.begin
+                                            : reinterpret_cast<float*>(r.param);
+      r.grad = grads + seg.begin * gsize;
+      for (std::size_t k = 0; k < 2; ++k)
+        r.state[k] = state_.state(k) != nullptr ? state_.state(k) + owned_offset(b) + seg.begin : nullptr;
+      r.n = seg.end - seg.begin;
+      r.grad_scale = grad_scale;
+      kernels_.update(backend_, r, scalars[seg.group], work_stream());
+    }
   }
 
   /// A run of a bucket's owned range whose tensors share an optimizer group.
@@ -1517,11 +1335,11 @@ class DataParallel {
       if (groups_.size() == 1 && g == 0) throw;
       detail::fail(std::string(e.what()) + " (optimizer group " + std::to_string(g) + ")");
     }
-    if (Opt::state_count(options) > state_count_)
+    if (Opt::state_count(options) > state_.state_count())
       detail::fail("tandem: " + what + ": the " + Opt::name + " options" +
                    (g == 0 ? std::string() : " of optimizer group " + std::to_string(g)) + " need " +
                    std::to_string(Opt::state_count(options)) + " state buffers but DataParallel was constructed with " +
-                   std::to_string(state_count_) + " (e.g. SGD momentum enabled later); construct with it enabled");
+                   std::to_string(state_.state_count()) + " (e.g. SGD momentum enabled later); construct with it enabled");
   }
 
   /// The optimizer options' fingerprint: group 0's alone when there is one group (as checkpoints have always held),
@@ -1552,42 +1370,30 @@ class DataParallel {
   DataParallelOptions options_;
   std::vector<TensorRef> refs_;
   Storage storage_ = Storage::user;
+  const StorageSteps* steps_ = nullptr;  ///< the storage mode's steps (storage_steps<S>())
   int world_ = 1;
   int rank_ = 0;
   Layout layout_;
   Plan plan_;
   DType pdtype_ = DType::fp32;
   std::size_t psize_ = 4;
-  ResidentPackTables<Backend> param_tables_, grad_tables_;
+  detail::TrainingState<Backend> state_;
+  detail::BucketKernels<Opt, Backend> kernels_;
+  ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers
   std::vector<std::vector<Range>> staging_gaps_;
-  Buffer<unsigned char> param_flat_;
-  Buffer<unsigned char> param_shard_;                 ///< sharded parameters: this rank's shard of every bucket
-  Buffer<unsigned char> param_slots_;                 ///< sharded parameters: the gather buffers
-  std::size_t pslot_size_ = 0;                        ///< elements per gather buffer
   detail::GatherSlots gathered_;                      ///< which bucket each gather buffer holds
   std::vector<typename Backend::Event> pslot_ready_;  ///< recorded on the work stream when a gather into slot s is done
   std::vector<typename Backend::Event> pslot_free_;   ///< recorded on the user's stream when its reads of slot s end
   std::vector<unsigned char> params_open_;            ///< a ParameterBucket of bucket b is alive
-  Buffer<float> master_;
-  Buffer<float> state_[2];
-  Buffer<float> grad_flat_;
-  Buffer<float> staging_;
-  Buffer<float> grad_slots_;
-  Buffer<unsigned char> grad_shard_;
-  DType shard_dtype_ = DType::fp32;                   ///< grad_shard_'s elements
-  Buffer<unsigned char> reduce_buf_;                  ///< one bucket in the reduce dtype (16-bit reductions only)
-  std::size_t slot_size_ = 0;                         ///< elements per gradient slot
   detail::SlotPool slots_;                            ///< which gradient slot each bucket holds in this micro-step
   std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again
   std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
   std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
-  Buffer<double> norm_terms_;                         ///< the global norm's terms and, last, their total
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
   std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step
   std::vector<std::size_t> bucket_ready_;  ///< ready tensors per bucket in this micro-step
   std::size_t next_bucket_ = 0;            ///< buckets [0, next_bucket_) are issued in this micro-step
-  std::size_t state_count_ = 0;
   int micro_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t skipped_ = 0;

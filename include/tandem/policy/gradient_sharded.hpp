@@ -14,10 +14,9 @@
 
 namespace tandem {
 
-struct GradientSharded : detail::ShardedCollectives {
+struct GradientSharded : ReduceEveryMicroStep, GatherAfterUpdate, detail::ShardedCollectives {
   static constexpr const char* name = "GradientSharded";
   static constexpr StateSharding state = StateSharding::sharded;
-  static constexpr GradientReduction reduction = GradientReduction::every_micro_step;
 
   /// Full parameters; of the gradients only this rank's reduced shard lives across the step. A bucket's full
   /// gradients exist only until it is reduce-scattered: packed into one staging bucket from the user's buffers, or,

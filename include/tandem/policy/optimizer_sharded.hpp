@@ -29,10 +29,9 @@ struct ShardedCollectives {
 
 }  // namespace detail
 
-struct OptimizerSharded : detail::ShardedCollectives {
+struct OptimizerSharded : ReduceAtBoundary, GatherAfterUpdate, detail::ShardedCollectives {
   static constexpr const char* name = "OptimizerSharded";
   static constexpr StateSharding state = StateSharding::sharded;
-  static constexpr GradientReduction reduction = GradientReduction::at_boundary;
 
   /// Full parameters and gradients (accumulated locally until the boundary); master weights and optimizer state of
   /// this rank's shard only.

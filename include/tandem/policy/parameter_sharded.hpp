@@ -17,15 +17,14 @@
 
 namespace tandem {
 
-struct ParameterSharded : detail::ShardedCollectives {
+struct ParameterSharded : ReduceEveryMicroStep, GatherBeforeUse, detail::ShardedCollectives {
   static constexpr const char* name = "ParameterSharded";
   static constexpr StateSharding state = StateSharding::sharded;
-  static constexpr GradientReduction reduction = GradientReduction::every_micro_step;
-  static constexpr ParameterSharding parameters = ParameterSharding::sharded;
 
   // reduce_gradients: ShardedCollectives' reduce-scatter.
 
-  /// Called when a pass asks for the bucket (not at the step's end): every rank's shard into the gather buffer.
+  /// Called when a pass asks for the bucket (GatherBeforeUse), not at the step's end: every rank's shard into the
+  /// gather buffer.
   template <Communicator C>
   static void gather_parameters(C& comm, const BucketView& b) {
     comm.all_gather(b.param_shard, b.param, b.shard_size, b.param_dtype, b.stream);

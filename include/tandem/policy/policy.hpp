@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // What a policy decides, and the concept a policy type satisfies. A policy is an empty tag type and the one place
-// of its behaviour: its traits (who keeps the optimizer state, when gradients are reduced, and, optionally, who keeps
-// the parameters between uses), the collectives of each phase (two hooks over one bucket), and its buffer rule: which
-// buffers a rank allocates and how large, from which the memory report and the estimator (front/estimate.hpp) both
-// follow. The front calls nothing else.
+// of its behaviour: its traits (who keeps the optimizer state, when gradients are reduced, who keeps the parameters
+// between uses), its phase hooks (policy/phases.hpp: what the front does with a bucket in each phase), the collectives
+// those phases run (two hooks over one bucket), its owned range (from its state trait, owned_range below) and its
+// buffer rule: which buffers a rank allocates and how large, from which the memory report and the estimator
+// (front/estimate.hpp) both follow. The front calls nothing else.
 #pragma once
 
 #include <concepts>
@@ -13,26 +14,9 @@
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/plan.hpp"
 #include "tandem/core/stream.hpp"
+#include "tandem/policy/phases.hpp"
 
 namespace tandem {
-
-/// Who keeps the fp32 master weights and optimizer state of a bucket.
-enum class StateSharding {
-  replicated,  ///< every rank keeps (and updates) the whole bucket
-  sharded      ///< rank r keeps shard r of every bucket
-};
-
-/// When gradients are reduced across ranks.
-enum class GradientReduction {
-  at_boundary,      ///< micro-steps accumulate locally in a full fp32 buffer; reduce once per optimizer step
-  every_micro_step  ///< reduce-scatter every micro-step into a shard accumulator; no full reduced copy
-};
-
-/// Who keeps a bucket's parameters between the forward and backward passes that use them.
-enum class ParameterSharding {
-  replicated,  ///< every rank keeps every parameter; the optimizer step gathers the updated shards (if any) at once
-  sharded      ///< rank r keeps shard r; a bucket is all-gathered into a reused buffer while a pass uses it (ZeRO-3)
-};
 
 /// Where the parameters and the gradients backward writes live.
 enum class Storage {
@@ -140,11 +124,18 @@ struct BucketView {
   Stream stream = {};
 };
 
+/// A policy: its name and traits, its phase hooks (a gradient scheme and a parameter scheme of policy/phases.hpp, or
+/// hooks of its own over the same operations), the collectives of those phases, and its buffer rule.
 template <class P>
-concept Policy = requires(detail::ArchetypeCommunicator& comm, const BucketView& bucket, const BufferInputs& in) {
+concept Policy = requires(detail::ArchetypeCommunicator& comm, const BucketView& bucket, const BufferInputs& in,
+                          detail::ArchetypeBucketOps& ops, std::size_t b) {
   { P::name } -> std::convertible_to<const char*>;
   { P::state } -> std::convertible_to<StateSharding>;
   { P::reduction } -> std::convertible_to<GradientReduction>;
+  { P::parameters } -> std::convertible_to<ParameterSharding>;
+  P::gradients_complete(ops, b);
+  P::after_update(ops, b);
+  { P::open_parameters(ops, b) } -> std::same_as<const void*>;
   P::reduce_gradients(comm, bucket);
   P::gather_parameters(comm, bucket);
   { P::buffers(in) } -> std::same_as<Buffers>;
@@ -163,16 +154,39 @@ Buffers buffers_for(const BufferInputs& in) {
   return b;
 }
 
-/// Who keeps a policy's parameters: its `parameters` trait, replicated for a policy that has none.
+/// Who keeps a policy's parameters: its `parameters` trait (its parameter scheme's).
 template <Policy P>
-inline constexpr ParameterSharding parameter_sharding_of = [] {
-  if constexpr (requires {
-                  { P::parameters } -> std::convertible_to<ParameterSharding>;
-                })
-    return static_cast<ParameterSharding>(P::parameters);
-  else
-    return ParameterSharding::replicated;
-}();
+inline constexpr ParameterSharding parameter_sharding_of = P::parameters;
+
+/// The flat range of bucket b that `rank` owns under P (updates, and keeps the master weights and optimizer state of):
+/// the whole bucket under StateSharding::replicated, shard `rank` under StateSharding::sharded. Every rule of the owned
+/// space (owned_offset, owned_shards) follows from this one.
+template <Policy P>
+Range owned_range(const Plan& plan, std::size_t b, int rank) {
+  if constexpr (P::state == StateSharding::replicated) {
+    const Bucket& bucket = plan.bucket(b);
+    return {bucket.offset, bucket.offset + bucket.size};
+  } else {
+    return plan.shard(b, rank);
+  }
+}
+
+/// Where bucket b's owned range starts in the owned space (the arrays of master weights and optimizer state).
+template <Policy P>
+std::size_t owned_offset(const Plan& plan, std::size_t b) {
+  if constexpr (P::state == StateSharding::replicated) return plan.bucket(b).offset;
+  return plan.bucket(b).shard_offset;
+}
+
+/// How many of a bucket's `world` shards one rank owns, starting at shard first_owned_shard<P>(rank).
+template <Policy P>
+constexpr int owned_shards(int world) {
+  return P::state == StateSharding::replicated ? world : 1;
+}
+template <Policy P>
+constexpr int first_owned_shard(int rank) {
+  return P::state == StateSharding::replicated ? 0 : rank;
+}
 
 /// A policy that reduce-scatters every micro-step keeps only its shard of the reduced gradients, so it must shard the
 /// optimizer state too.

@@ -1,16 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Replicated (PyTorch DDP): full gradients all-reduced, full optimizer state on every rank, every rank
-// updates every parameter. Collectives per step: all-reduce(grads).
+// Replicated (PyTorch DDP): full gradients accumulated locally and all-reduced when the window ends, full optimizer
+// state on every rank, every rank updates every parameter. Collectives per step: all-reduce(grads).
 #pragma once
 
 #include "tandem/policy/policy.hpp"
 
 namespace tandem {
 
-struct Replicated {
+struct Replicated : ReduceAtBoundary, UpdateEverywhere {
   static constexpr const char* name = "Replicated";
   static constexpr StateSharding state = StateSharding::replicated;
-  static constexpr GradientReduction reduction = GradientReduction::at_boundary;
 
   template <Communicator C>
   static void reduce_gradients(C& comm, const BucketView& b) {
@@ -18,7 +17,7 @@ struct Replicated {
   }
 
   template <Communicator C>
-  static void gather_parameters(C&, const BucketView&) {}  // every rank already holds every update
+  static void gather_parameters(C&, const BucketView&) {}  // never called (UpdateEverywhere): every rank updated all
 
   /// Every buffer full size: the parameters, their gradients (accumulated across micro-steps), and for the whole
   /// flat space the master weights (16-bit parameters) and optimizer state.

@@ -16,6 +16,10 @@
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
+#include "tandem/core/tensor.hpp"
+#include "tandem/front/options.hpp"
+#include "tandem/policy/policy.hpp"
 
 namespace tandem::detail {
 
@@ -49,6 +53,66 @@ TANDEM_COLD void all_ranks_succeed(Comm& comm, Backend& backend, const std::stri
     if (w[0] != 0)
       fail("tandem: rank " + std::to_string(r) + " failed: " + std::string(reinterpret_cast<const char*>(&w[1])));
   }
+}
+
+/// What must be equal on every rank for their DataParallel objects to work together, as words: the layout's
+/// fingerprint, size and element count (words 0-2), then the configuration (policy, optimizer and its options,
+/// DataParallelOptions, storage, world size).
+struct Configuration {
+  static constexpr std::size_t words = 14;
+  std::uint64_t word[words] = {};
+};
+
+/// The configuration words of one rank. `optimizer` is the optimizer's name hash combined with its options'
+/// fingerprint.
+inline Configuration configuration_of(const Layout& layout, const char* policy, std::uint64_t optimizer,
+                                      const DataParallelOptions& options, Storage storage, int world) {
+  Configuration c;
+  std::uint64_t* w = c.word;
+  w[0] = layout.fingerprint();
+  w[1] = layout.size();
+  w[2] = layout.total_numel();
+  w[3] = fnv1a(policy);
+  w[4] = optimizer;
+  w[5] = static_cast<std::uint64_t>(options.accumulation_steps);
+  w[6] = options.bucket_cap_bytes;
+  w[7] = options.first_bucket_cap_bytes;
+  w[8] = static_cast<std::uint64_t>(storage);
+  w[9] = static_cast<std::uint64_t>(world);
+  std::memcpy(&w[10], &options.max_grad_norm, sizeof(float));
+  w[10] |= static_cast<std::uint64_t>(options.non_finite) << 32;
+  w[11] = static_cast<std::uint64_t>(options.gradient_buffers);
+  w[12] = static_cast<std::uint64_t>(options.parameter_buffers);
+  w[13] = static_cast<std::uint64_t>(options.reduce_dtype);
+  return c;
+}
+
+/// Throws tandem::error, the same on every rank, if any rank's configuration (rank r's words at
+/// [r * words, (r + 1) * words) of `all`) differs from rank 0's: naming the layout, or the configuration.
+TANDEM_COLD inline void check_same_configuration(const std::vector<std::uint64_t>& all, int world) {
+  constexpr std::size_t words = Configuration::words;
+  const std::uint64_t* w0 = all.data();
+  for (int r = 1; r < world; ++r) {
+    const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
+    if (w[0] != w0[0])
+      fail("tandem: the tensor layout differs between ranks: rank 0 has " + std::to_string(w0[1]) + " tensors of " +
+           std::to_string(w0[2]) + " elements, rank " + std::to_string(r) + " has " + std::to_string(w[1]) +
+           " tensors of " + std::to_string(w[2]) +
+           " elements (or other names, sizes or dtypes); every rank must pass the same tensors in the same order");
+    if (!std::equal(w0 + 3, w0 + words, w + 3))
+      fail("tandem: ranks 0 and " + std::to_string(r) +
+           " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, bucket caps, "
+           "storage, world size, max_grad_norm, non_finite, gradient_buffers, parameter_buffers or reduce_dtype); "
+           "every rank must use the same configuration");
+  }
+}
+
+/// Every rank publishes its configuration; every rank then throws the same error if they differ. Collective.
+template <Communicator Comm, class Backend>
+TANDEM_COLD void agree_on_configuration(Comm& comm, Backend& backend, const Configuration& mine) {
+  const std::vector<std::uint64_t> all =
+      all_gather_words(comm, backend, std::vector<std::uint64_t>(mine.word, mine.word + Configuration::words));
+  check_same_configuration(all, comm.size());
 }
 
 }  // namespace tandem::detail

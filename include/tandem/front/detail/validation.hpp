@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+// Validation: pure checks of what a user passes to DataParallel, each throwing tandem::error with a message that names
+// the argument and the fix, before anything is allocated or written. (DataParallelOptions and the one-dtype rule are
+// checked in front/options.hpp, which the memory estimator shares.)
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tandem/core/checkpoint.hpp"
+#include "tandem/core/config.hpp"
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/tensor.hpp"
+
+namespace tandem::detail {
+
+/// The user's buffers of a layout (TensorRef i is layout tensor i): non-null, aligned to their element size, and no
+/// two overlapping (every parameter and gradient needs its own memory). Zero-size tensors may be anything.
+TANDEM_COLD inline void validate_user_buffers(const Layout& layout, const std::vector<TensorRef>& refs) {
+  struct Span {
+    std::uintptr_t begin, end;
+    std::size_t tensor;
+    const char* what;
+  };
+  std::vector<Span> spans;
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    const TensorRef& t = refs[i];
+    if (t.numel == 0) continue;
+    if (t.param == nullptr) fail(layout.describe(i) + ": param pointer is null");
+    if (t.grad == nullptr) fail(layout.describe(i) + ": grad pointer is null");
+    const std::size_t bytes = t.numel * dtype_size(t.dtype);
+    const auto p = reinterpret_cast<std::uintptr_t>(t.param), g = reinterpret_cast<std::uintptr_t>(t.grad);
+    if (p % dtype_size(t.dtype) != 0 || g % dtype_size(t.dtype) != 0)
+      fail(layout.describe(i) + ": buffers must be aligned to their element size (" +
+           std::to_string(dtype_size(t.dtype)) + " bytes)");
+    spans.push_back({p, p + bytes, i, "param"});
+    spans.push_back({g, g + bytes, i, "grad"});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (std::size_t k = 1; k < spans.size(); ++k)
+    if (spans[k].begin < spans[k - 1].end)
+      fail(layout.describe(spans[k - 1].tensor) + "'s " + spans[k - 1].what + " buffer overlaps " +
+           layout.describe(spans[k].tensor) + "'s " + spans[k].what +
+           " buffer; every parameter and gradient needs its own memory");
+}
+
+/// What a checkpoint must match to be loaded: the optimizer (and its number of state arrays), the parameter dtype and
+/// the layout (names, sizes, dtypes, in order). `path` names the file in the message.
+TANDEM_COLD inline void check_checkpoint(const CheckpointData& c, const std::string& path, const Layout& layout,
+                                         const char* optimizer, std::size_t state_count, DType param_dtype) {
+  const std::string where = "tandem: the checkpoint `" + path + "` ";
+  if (c.optimizer != optimizer || c.state_count != state_count)
+    fail(where + "holds " + c.optimizer + " state (" + std::to_string(c.state_count) +
+         " arrays) but this DataParallel uses " + optimizer + " (" + std::to_string(state_count) + ")");
+  if (c.param_dtype != param_dtype)
+    fail(where + "holds " + dtype_name(c.param_dtype) + " parameters but these are " + dtype_name(param_dtype));
+  if (c.tensors.size() != layout.size())
+    fail(where + "holds " + std::to_string(c.tensors.size()) + " tensors but the layout has " +
+         std::to_string(layout.size()));
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    const TensorSpec& t = c.tensors[i];
+    if (t.name != layout[i].name || t.numel != layout[i].numel || t.dtype != layout[i].dtype)
+      fail(where + "differs at " + layout.describe(i) + ": it holds `" + t.name + "` with " + std::to_string(t.numel) +
+           " " + dtype_name(t.dtype) + " elements");
+  }
+}
+
+}  // namespace tandem::detail

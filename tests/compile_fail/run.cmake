@@ -1,0 +1,26 @@
+# SPDX-License-Identifier: Apache-2.0
+# Compiles SOURCE with CXX (-fsyntax-only, C++20, INCLUDE on the path) with TANDEM_COMPILE_FAIL_CASE=CASE. Case 0 must
+# compile; any other must fail with a message containing the text after `expect:` on the case's `#elif` line.
+file(STRINGS "${SOURCE}" lines REGEX "TANDEM_COMPILE_FAIL_CASE == ${CASE}( |$)")
+set(expect "")
+if(lines MATCHES "expect: ([^\n]*)$")
+  set(expect "${CMAKE_MATCH_1}")
+endif()
+execute_process(COMMAND "${CXX}" -std=c++20 -fsyntax-only "-I${INCLUDE}" -DTANDEM_COMPILE_FAIL_CASE=${CASE} "${SOURCE}"
+                RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE output)
+if(CASE EQUAL 0)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "case 0 (a working policy) does not compile:\n${output}")
+  endif()
+  return()
+endif()
+if(expect STREQUAL "")
+  message(FATAL_ERROR "case ${CASE} has no `// expect:` text in ${SOURCE}")
+endif()
+if(result EQUAL 0)
+  message(FATAL_ERROR "case ${CASE} compiles, but it must fail with \"${expect}\"")
+endif()
+string(FIND "${output}" "${expect}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "case ${CASE} fails without saying \"${expect}\":\n${output}")
+endif()

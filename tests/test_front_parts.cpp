@@ -1,0 +1,408 @@
+// SPDX-License-Identifier: Apache-2.0
+// The parts DataParallel is made of (front/detail/), each alone, without a DataParallel: TrainingState allocates what
+// a policy's buffer rule asks for and nothing else, zeroed; BucketKernels launches the bodies of the dtypes it was made
+// for (checked against plain loops over the same values); the configuration words tell every difference between ranks
+// apart; the user's buffers are validated; checkpoint I/O gathers each policy's owned space to rank 0 and gives each
+// rank back what it owns, at world sizes 1-3.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/comm/local_group.hpp"
+#include "tandem/front/detail/agreement.hpp"
+#include "tandem/front/detail/bucket_kernels.hpp"
+#include "tandem/front/detail/checkpoint_io.hpp"
+#include "tandem/front/detail/training_state.hpp"
+#include "tandem/front/detail/validation.hpp"
+#include "tandem/front/estimate.hpp"
+#include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/sgd.hpp"
+#include "tandem/policy/gradient_sharded.hpp"
+#include "tandem/policy/optimizer_sharded.hpp"
+#include "tandem/policy/parameter_sharded.hpp"
+#include "tandem/policy/replicated.hpp"
+
+using tandem::DType;
+using tandem::HostBackend;
+
+namespace {
+
+std::vector<tandem::TensorSpec> specs(DType dtype) {
+  std::vector<tandem::TensorSpec> s;
+  const std::size_t sizes[] = {37, 1, 1000, 64, 3, 777, 129};
+  for (std::size_t i = 0; i < std::size(sizes); ++i) s.push_back({"t" + std::to_string(i), sizes[i], dtype});
+  return s;
+}
+
+bool all_zero(const void* p, std::size_t bytes) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < bytes; ++i)
+    if (c[i] != 0) return false;
+  return true;
+}
+
+template <class Policy>
+void check_state(int world, tandem::Storage storage, DType dtype, DType reduce, int accumulation) {
+  const tandem::DataParallelOptions options{.bucket_cap_bytes = 2048,
+                                            .first_bucket_cap_bytes = 512,
+                                            .accumulation_steps = accumulation,
+                                            .gradient_buffers = 3,
+                                            .reduce_dtype = reduce};
+  const tandem::Plan plan = tandem::bucket_plan(specs(dtype), world, options);
+  const tandem::BufferInputs in = tandem::detail::buffer_inputs(plan, dtype, storage, options);
+  const tandem::Buffers need = tandem::buffers_for<Policy>(in);
+  const HostBackend backend;
+  const tandem::detail::TrainingState<HostBackend> state(backend, need, dtype, reduce, 2, {});
+  const tandem::Buffers held = state.held();
+  CHECK(held.param_flat == need.param_flat);
+  CHECK(held.param_shard == need.param_shard);
+  CHECK(held.param_slots == need.param_slots);
+  CHECK(held.master == need.master);
+  CHECK(held.state == need.state);
+  CHECK(held.grad_flat == need.grad_flat);
+  CHECK(held.grad_slots == need.grad_slots);
+  CHECK(held.staging == need.staging);
+  CHECK(held.grad_shard == need.grad_shard);
+  CHECK(held.reduce_buffer == need.reduce_buffer);
+  CHECK(held.grad_shard_dtype == need.grad_shard_dtype);
+  // A buffer exists exactly where the rule asks for one, and starts zero (the masters are derived later).
+  const std::size_t p = tandem::dtype_size(dtype);
+  CHECK((state.param_flat() != nullptr) == (need.param_flat != 0));
+  CHECK((state.param_shard() != nullptr) == (need.param_shard != 0));
+  CHECK((state.grad_flat() != nullptr) == (need.grad_flat != 0));
+  CHECK((state.grad_shard() != nullptr) == (need.grad_shard != 0));
+  CHECK((state.reduce_buffer() != nullptr) == (need.reduce_buffer != 0));
+  CHECK((state.master() != nullptr) == (need.master != 0));
+  CHECK(all_zero(state.param_flat(), need.param_flat * p));
+  CHECK(all_zero(state.param_shard(), need.param_shard * p));
+  CHECK(all_zero(state.grad_flat(), need.grad_flat * 4));
+  CHECK(all_zero(state.staging(), need.staging * 4));
+  CHECK(all_zero(state.state(0), need.state * 4));
+  CHECK(all_zero(state.state(1), need.state * 4));
+  CHECK(all_zero(state.grad_shard(), need.grad_shard * tandem::dtype_size(need.grad_shard_dtype)));
+  for (std::size_t s = 0; s < state.grad_slots(); ++s) CHECK(all_zero(state.grad_slot(s), need.grad_slot_size * 4));
+  for (std::size_t s = 0; s < state.gather_buffers(); ++s)
+    CHECK(all_zero(state.gather_buffer(s), need.param_slot_size * p));
+  // What they amount to is what the estimator says a construction holds.
+  std::size_t numel = 0;
+  for (const auto& t : specs(dtype)) numel += t.numel;
+  CHECK(tandem::memory_of(held, in, numel, 2) ==
+        tandem::estimate_memory<Policy, tandem::AdamW>(specs(dtype), world, storage, {}, options));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("TrainingState allocates what the policy's rule asks for, zeroed", Policy, tandem::Replicated,
+                   tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
+  for (int world = 1; world <= 3; ++world)
+    for (tandem::Storage storage : {tandem::Storage::user, tandem::Storage::owned})
+      for (DType dtype : {DType::fp32, DType::bf16})
+        for (DType reduce : {DType::fp32, DType::fp16})
+          for (int accumulation : {1, 2}) {
+            if (storage == tandem::Storage::user &&
+                tandem::parameter_sharding_of<Policy> == tandem::ParameterSharding::sharded)
+              continue;  // refused (ParameterSharded keeps no full parameters)
+            CAPTURE(world);
+            CAPTURE(static_cast<int>(storage));
+            CAPTURE(tandem::dtype_name(dtype));
+            CAPTURE(tandem::dtype_name(reduce));
+            CAPTURE(accumulation);
+            check_state<Policy>(world, storage, dtype, reduce, accumulation);
+          }
+}
+
+namespace {
+
+using Kernels = tandem::detail::BucketKernels<tandem::AdamW, HostBackend>;
+
+template <class T>
+std::vector<T> random_values(std::size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<T> v(n);
+  for (T& x : v) x = tandem::convert<T>(d(rng));
+  return v;
+}
+
+// The table made for (T, R, G) runs the bodies of those types: each entry against a plain loop over the same values.
+template <class T, class R, class G>
+void check_kernels() {
+  CAPTURE(tandem::dtype_name(tandem::dtype_of<T>));
+  CAPTURE(tandem::dtype_name(tandem::dtype_of<R>));
+  CAPTURE(tandem::dtype_name(tandem::dtype_of<G>));
+  const HostBackend be;
+  const Kernels k = Kernels::make(tandem::dtype_of<T>, tandem::dtype_of<R>, tandem::dtype_of<G>);
+  std::mt19937 rng(7);
+  const std::size_t n = 5000;  // more than one work item of every body
+
+  // round_for_reduction: R(scale * fp32)
+  const std::vector<float> grads = random_values<float>(n, rng);
+  std::vector<R> wire(n);
+  k.round_for_reduction(be, grads.data(), wire.data(), n, 0.25f, {});
+  for (std::size_t i = 0; i < n; ++i)
+    REQUIRE(tandem::convert<float>(wire[i]) == tandem::convert<float>(tandem::convert<R>(0.25f * grads[i])));
+
+  // land: R into G, assigned then (fp32 only) added
+  std::vector<G> store(n);
+  k.land(be, wire.data(), store.data(), n, tandem::WriteMode::assign, {});
+  for (std::size_t i = 0; i < n; ++i)
+    REQUIRE(tandem::convert<float>(store[i]) == tandem::convert<float>(wire[i]));
+  if constexpr (std::is_same_v<G, float>) {
+    k.land(be, wire.data(), store.data(), n, tandem::WriteMode::accumulate, {});
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(store[i] == 2.0f * tandem::convert<float>(wire[i]));
+  } else {
+    CHECK_THROWS_AS(k.land(be, wire.data(), store.data(), n, tandem::WriteMode::accumulate, {}), tandem::error);
+  }
+
+  // sum_squares over the G values, in double
+  double sum = -1.0, expected = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = tandem::convert<float>(store[i]);
+    expected += x * x;
+  }
+  k.sum_squares(be, store.data(), n, &sum, {});
+  CHECK(sum == doctest::Approx(expected).epsilon(1e-12));
+
+  // masters_from_params: fp32 of T
+  const std::vector<T> params = random_values<T>(n, rng);
+  std::vector<float> masters(n, -1.0f);
+  k.masters_from_params(be, params.data(), masters.data(), n, {});
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(masters[i] == tandem::convert<float>(params[i]));
+
+  // update: AdamW's first step over G gradients, as a plain loop in double (lr 0.5: an update of about ±0.5)
+  std::vector<T> p = params;
+  std::vector<float> m(n), v(n), master = masters;
+  tandem::detail::UpdateRange r;
+  r.param = p.data();
+  r.master = std::is_same_v<T, float> ? reinterpret_cast<float*>(p.data()) : master.data();
+  r.grad = store.data();
+  r.state[0] = m.data();
+  r.state[1] = v.data();
+  r.n = n;
+  r.grad_scale = 2.0f;
+  const tandem::AdamWOptions o{.lr = 0.5f, .weight_decay = 0.0f};
+  k.update(be, r, tandem::AdamW::scalars(o, 1), {});
+  for (std::size_t i = 0; i < n; ++i) {
+    const double g = 2.0 * tandem::convert<float>(store[i]);
+    const double step = g == 0.0 ? 0.0 : 0.5 * g / (std::abs(g) + 1e-8);  // m̂ / (sqrt(v̂) + eps) at t = 1
+    REQUIRE(tandem::convert<float>(p[i]) ==
+            doctest::Approx(tandem::convert<float>(params[i]) - step).epsilon(1e-2).scale(1e-2));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("BucketKernels launches the bodies of the dtypes it was made for") {
+  using tandem::BFloat16, tandem::Float16;
+  check_kernels<float, float, float>();
+  check_kernels<BFloat16, float, float>();
+  check_kernels<Float16, float, float>();
+  check_kernels<float, BFloat16, float>();
+  check_kernels<float, BFloat16, BFloat16>();
+  check_kernels<BFloat16, BFloat16, BFloat16>();
+  check_kernels<Float16, Float16, float>();
+  check_kernels<BFloat16, Float16, Float16>();
+  CHECK_THROWS_AS(Kernels::make(DType::fp32, DType::bf16, DType::fp16), tandem::error);  // G is fp32 or R
+}
+
+TEST_CASE("BucketKernels packs and unpacks the user's tensors of its parameter dtype") {
+  const HostBackend be;
+  const std::vector<tandem::TensorSpec> s = specs(DType::bf16);
+  const tandem::Plan plan = tandem::bucket_plan(s, 2, {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 512});
+  std::mt19937 rng(3);
+  std::vector<std::vector<tandem::BFloat16>> user, back;
+  std::vector<void*> pointers, back_pointers;
+  for (const auto& t : s) {
+    user.push_back(random_values<tandem::BFloat16>(t.numel, rng));
+    back.emplace_back(t.numel);
+  }
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    pointers.push_back(user[i].data());
+    back_pointers.push_back(back[i].data());
+  }
+  const Kernels k = Kernels::make(DType::bf16, DType::fp32, DType::fp32);
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+    const tandem::PackTable in = tandem::make_pack_table(plan, b, pointers);
+    const tandem::PackTable out = tandem::make_pack_table(plan, b, back_pointers);
+    const tandem::ResidentPackTables<HostBackend> tables(be, {in, out}, {});
+    std::vector<tandem::BFloat16> bucket(plan.bucket(b).size);
+    std::vector<float> grads(plan.bucket(b).size);
+    k.pack_params(be, tables[0], bucket.data(), tandem::StoreHint::cached, {});
+    k.unpack_params(be, tables[1], bucket.data(), tandem::StoreHint::cached, {});
+    k.pack_grads(be, tables[0], grads.data(), tandem::WriteMode::assign, 0.5f, tandem::StoreHint::cached, {});
+    k.pack_grads(be, tables[0], grads.data(), tandem::WriteMode::accumulate, 0.5f, tandem::StoreHint::cached, {});
+    for (std::size_t i : plan.bucket(b).tensors) {
+      const tandem::Placement& at = plan.placement(i);
+      for (std::size_t j = 0; j < at.numel; ++j) {
+        REQUIRE(back[i][j].bits == user[i][j].bits);
+        REQUIRE(grads[at.offset + j] == tandem::convert<float>(user[i][j]));  // 0.5 x + 0.5 x
+      }
+    }
+  }
+}
+
+TEST_CASE("the configuration words tell every difference between ranks apart") {
+  using tandem::detail::Configuration, tandem::detail::configuration_of, tandem::detail::check_same_configuration;
+  const tandem::Layout layout(specs(DType::fp32));
+  const tandem::DataParallelOptions base;
+  const Configuration mine = configuration_of(layout, "GradientSharded", 42, base, tandem::Storage::owned, 2);
+  auto with = [&](const Configuration& other) {
+    std::vector<std::uint64_t> all(mine.word, mine.word + Configuration::words);
+    all.insert(all.end(), other.word, other.word + Configuration::words);
+    return all;
+  };
+  CHECK_NOTHROW(check_same_configuration(with(mine), 2));
+  std::vector<tandem::TensorSpec> other_specs = specs(DType::fp32);
+  other_specs[3].numel += 1;
+  CHECK_THROWS_WITH_AS(check_same_configuration(with(configuration_of(tandem::Layout(other_specs), "GradientSharded",
+                                                                      42, base, tandem::Storage::owned, 2)),
+                                                2),
+                       doctest::Contains("the tensor layout differs between ranks"), tandem::error);
+  std::vector<Configuration> others = {
+      configuration_of(layout, "ParameterSharded", 42, base, tandem::Storage::owned, 2),
+      configuration_of(layout, "GradientSharded", 43, base, tandem::Storage::owned, 2),
+      configuration_of(layout, "GradientSharded", 42, base, tandem::Storage::user, 2),
+      configuration_of(layout, "GradientSharded", 42, base, tandem::Storage::owned, 3)};
+  for (tandem::DataParallelOptions o :
+       {tandem::DataParallelOptions{.bucket_cap_bytes = 1}, tandem::DataParallelOptions{.first_bucket_cap_bytes = 1},
+        tandem::DataParallelOptions{.accumulation_steps = 2}, tandem::DataParallelOptions{.max_grad_norm = 1.0f},
+        tandem::DataParallelOptions{.non_finite = tandem::NonFinite::skip_step},
+        tandem::DataParallelOptions{.gradient_buffers = 3}, tandem::DataParallelOptions{.parameter_buffers = 3},
+        tandem::DataParallelOptions{.reduce_dtype = DType::bf16}})
+    others.push_back(configuration_of(layout, "GradientSharded", 42, o, tandem::Storage::owned, 2));
+  for (std::size_t k = 0; k < others.size(); ++k) {
+    CAPTURE(k);
+    CHECK_THROWS_WITH_AS(check_same_configuration(with(others[k]), 2),
+                         doctest::Contains("ranks 0 and 1 constructed DataParallel differently"), tandem::error);
+  }
+}
+
+TEST_CASE("the user's buffers: null, misaligned and overlapping ones are named") {
+  using tandem::detail::validate_user_buffers;
+  std::vector<float> memory(100);
+  const tandem::Layout layout({{"a", 10, DType::fp32}, {"b", 10, DType::fp32}});
+  auto refs = [&](void* p0, void* g0, void* p1, void* g1) {
+    return std::vector<tandem::TensorRef>{{"a", p0, g0, 10, DType::fp32}, {"b", p1, g1, 10, DType::fp32}};
+  };
+  float* m = memory.data();
+  CHECK_NOTHROW(validate_user_buffers(layout, refs(m, m + 10, m + 20, m + 30)));
+  CHECK_THROWS_WITH_AS(validate_user_buffers(layout, refs(m, nullptr, m + 20, m + 30)),
+                       doctest::Contains("grad pointer is null"), tandem::error);
+  CHECK_THROWS_WITH_AS(validate_user_buffers(layout, refs(m, m + 10, m + 15, m + 30)),
+                       doctest::Contains("overlaps"), tandem::error);
+  CHECK_THROWS_WITH_AS(
+      validate_user_buffers(layout, refs(reinterpret_cast<char*>(m) + 1, m + 10, m + 20, m + 30)),
+      doctest::Contains("aligned to their element size"), tandem::error);
+  CHECK_NOTHROW(validate_user_buffers(  // zero-size tensors may be anything
+      tandem::Layout({{"a", 0, DType::fp32}}), {{"a", nullptr, nullptr, 0, DType::fp32}}));
+}
+
+namespace {
+
+// Checkpoint I/O under policy P at `world` ranks: distinct values in every owned array gathered to rank 0 give every
+// tensor its values; restored at another world size under policy Q, each rank holds exactly its owned part of them.
+template <class P, class Q>
+void check_checkpoint_io(int world, int restore_world, DType dtype) {
+  const std::vector<tandem::TensorSpec> s = specs(dtype);
+  const tandem::DataParallelOptions options{.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 512};
+  const std::size_t psize = tandem::dtype_size(dtype);
+  // Element e of tensor i: parameter bits, master and state values derived from (i, e).
+  auto value = [](std::size_t i, std::size_t e, int array) { return static_cast<float>(1000 * i + e) + 0.25f * array; };
+  tandem::CheckpointData saved;
+  tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+    const HostBackend be;
+    const tandem::Plan plan = tandem::bucket_plan(s, world, options);
+    const tandem::Layout layout(s);
+    const auto in = tandem::detail::buffer_inputs(plan, dtype, tandem::Storage::owned, options);
+    tandem::detail::TrainingState<HostBackend> state(be, tandem::buffers_for<P>(in), dtype, DType::fp32, 2, {});
+    for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+      const tandem::Range own = tandem::owned_range<P>(plan, b, comm.rank());
+      for (std::size_t i : plan.bucket(b).tensors) {
+        const std::size_t at = tandem::detail::flat_index(plan, i);
+        for (std::size_t e = 0; e < s[i].numel; ++e) {
+          const std::size_t f = at + e;
+          const float w = value(i, e, 0);
+          if (state.param_flat() != nullptr)  // the full parameters are every rank's
+            tandem::visit_param_dtype(dtype, [&](auto t) {
+              reinterpret_cast<decltype(t)*>(state.param_flat())[f] = tandem::convert<decltype(t)>(w);
+            });
+          if (f < own.begin || f >= own.end) continue;
+          const std::size_t o = tandem::owned_offset<P>(plan, b) + (f - own.begin);
+          if (state.param_shard() != nullptr)
+            tandem::visit_param_dtype(dtype, [&](auto t) {
+              reinterpret_cast<decltype(t)*>(state.param_shard())[o] = tandem::convert<decltype(t)>(w);
+            });
+          if (state.master() != nullptr) state.master()[o] = value(i, e, 1);
+          state.state(0)[o] = value(i, e, 2);
+          state.state(1)[o] = value(i, e, 3);
+        }
+      }
+    }
+    tandem::CheckpointData meta;
+    meta.param_dtype = dtype;
+    meta.step = 5;
+    tandem::CheckpointData c = tandem::detail::collect_checkpoint<P>(comm, be, plan, layout, state, meta);
+    if (comm.rank() == 0) saved = std::move(c);
+    else CHECK(c.params.empty());
+  });
+  REQUIRE(saved.params.size() == s.size());
+  CHECK(saved.step == 5);
+  for (std::size_t i = 0; i < s.size(); ++i)
+    for (std::size_t e = 0; e < s[i].numel; ++e) {
+      float w = 0.0f, expected = 0.0f;
+      tandem::visit_param_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        T x;
+        std::memcpy(&x, saved.params[i].data() + e * psize, psize);
+        w = tandem::convert<float>(x);
+        expected = tandem::convert<float>(tandem::convert<T>(value(i, e, 0)));
+      });
+      REQUIRE(w == expected);
+      if (dtype != DType::fp32) REQUIRE(saved.masters[i][e] == value(i, e, 1));
+      REQUIRE(saved.states[i][0][e] == value(i, e, 2));
+      REQUIRE(saved.states[i][1][e] == value(i, e, 3));
+    }
+  tandem::LocalGroup(restore_world).run([&](tandem::LocalComm& comm) {
+    const HostBackend be;
+    const tandem::Plan plan = tandem::bucket_plan(s, restore_world, options);
+    const tandem::Layout layout(s);
+    const auto in = tandem::detail::buffer_inputs(plan, dtype, tandem::Storage::owned, options);
+    const tandem::detail::TrainingState<HostBackend> state(be, tandem::buffers_for<Q>(in), dtype, DType::fp32, 2, {});
+    tandem::detail::restore_checkpoint<Q>(be, plan, layout, comm.rank(), state, saved);
+    for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+      const tandem::Range own = tandem::owned_range<Q>(plan, b, comm.rank());
+      for (std::size_t i : plan.bucket(b).tensors) {
+        const std::size_t at = tandem::detail::flat_index(plan, i);
+        for (std::size_t e = 0; e < s[i].numel; ++e) {
+          const std::size_t f = at + e;
+          if (state.param_flat() != nullptr)
+            REQUIRE(std::memcmp(state.param_flat() + f * psize, saved.params[i].data() + e * psize, psize) == 0);
+          if (f < own.begin || f >= own.end) continue;
+          const std::size_t o = tandem::owned_offset<Q>(plan, b) + (f - own.begin);
+          if (state.param_shard() != nullptr)
+            REQUIRE(std::memcmp(state.param_shard() + o * psize, saved.params[i].data() + e * psize, psize) == 0);
+          if (state.master() != nullptr) REQUIRE(state.master()[o] == value(i, e, 1));
+          REQUIRE(state.state(0)[o] == value(i, e, 2));
+          REQUIRE(state.state(1)[o] == value(i, e, 3));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint I/O gathers each policy's owned space and gives each rank back what it owns") {
+  for (int world = 1; world <= 3; ++world)
+    for (int restore = 1; restore <= 3; ++restore) {
+      CAPTURE(world);
+      CAPTURE(restore);
+      check_checkpoint_io<tandem::Replicated, tandem::ParameterSharded>(world, restore, DType::bf16);
+      check_checkpoint_io<tandem::ParameterSharded, tandem::OptimizerSharded>(world, restore, DType::fp32);
+      check_checkpoint_io<tandem::GradientSharded, tandem::Replicated>(world, restore, DType::bf16);
+    }
+}
