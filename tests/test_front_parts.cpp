@@ -303,6 +303,25 @@ TEST_CASE("the user's buffers: null, misaligned and overlapping ones are named")
 
 namespace {
 
+constexpr std::size_t not_owned = static_cast<std::size_t>(-1);
+
+// f(i, e, flat, owned) for every element e of every tensor i: its flat index, and its index in the owned space of
+// `rank` under policy P (not_owned where the rank does not own it).
+template <class P, class F>
+void for_each_element(const tandem::Plan& plan, int rank, F&& f) {
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+    const tandem::Range own = tandem::owned_range<P>(plan, b, rank);
+    for (std::size_t i : plan.bucket(b).tensors) {
+      const std::size_t at = tandem::detail::flat_index(plan, i);
+      for (std::size_t e = 0; e < plan.placement(i).numel; ++e) {
+        const std::size_t flat = at + e;
+        const bool mine = flat >= own.begin && flat < own.end;
+        f(i, e, flat, mine ? tandem::owned_offset<P>(plan, b) + (flat - own.begin) : not_owned);
+      }
+    }
+  }
+}
+
 // Checkpoint I/O under policy P at `world` ranks: distinct values in every owned array gathered to rank 0 give every
 // tensor its values; restored at another world size under policy Q, each rank holds exactly its owned part of them.
 template <class P, class Q>
@@ -319,29 +338,19 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
     const tandem::Layout layout(s);
     const auto in = tandem::detail::buffer_inputs(plan, dtype, tandem::Storage::owned, options);
     tandem::detail::TrainingState<HostBackend> state(be, tandem::buffers_for<P>(in), dtype, DType::fp32, 2, {});
-    for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
-      const tandem::Range own = tandem::owned_range<P>(plan, b, comm.rank());
-      for (std::size_t i : plan.bucket(b).tensors) {
-        const std::size_t at = tandem::detail::flat_index(plan, i);
-        for (std::size_t e = 0; e < s[i].numel; ++e) {
-          const std::size_t f = at + e;
-          const float w = value(i, e, 0);
-          if (state.param_flat() != nullptr)  // the full parameters are every rank's
-            tandem::visit_param_dtype(dtype, [&](auto t) {
-              reinterpret_cast<decltype(t)*>(state.param_flat())[f] = tandem::convert<decltype(t)>(w);
-            });
-          if (f < own.begin || f >= own.end) continue;
-          const std::size_t o = tandem::owned_offset<P>(plan, b) + (f - own.begin);
-          if (state.param_shard() != nullptr)
-            tandem::visit_param_dtype(dtype, [&](auto t) {
-              reinterpret_cast<decltype(t)*>(state.param_shard())[o] = tandem::convert<decltype(t)>(w);
-            });
-          if (state.master() != nullptr) state.master()[o] = value(i, e, 1);
-          state.state(0)[o] = value(i, e, 2);
-          state.state(1)[o] = value(i, e, 3);
-        }
-      }
-    }
+    for_each_element<P>(plan, comm.rank(), [&](std::size_t i, std::size_t e, std::size_t f, std::size_t o) {
+      tandem::visit_param_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        if (state.param_flat() != nullptr)  // the full parameters are every rank's
+          reinterpret_cast<T*>(state.param_flat())[f] = tandem::convert<T>(value(i, e, 0));
+        if (o != not_owned && state.param_shard() != nullptr)
+          reinterpret_cast<T*>(state.param_shard())[o] = tandem::convert<T>(value(i, e, 0));
+      });
+      if (o == not_owned) return;
+      if (state.master() != nullptr) state.master()[o] = value(i, e, 1);
+      state.state(0)[o] = value(i, e, 2);
+      state.state(1)[o] = value(i, e, 3);
+    });
     tandem::CheckpointData meta;
     meta.param_dtype = dtype;
     meta.step = 5;
@@ -373,24 +382,15 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
     const auto in = tandem::detail::buffer_inputs(plan, dtype, tandem::Storage::owned, options);
     const tandem::detail::TrainingState<HostBackend> state(be, tandem::buffers_for<Q>(in), dtype, DType::fp32, 2, {});
     tandem::detail::restore_checkpoint<Q>(be, plan, layout, comm.rank(), state, saved);
-    for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
-      const tandem::Range own = tandem::owned_range<Q>(plan, b, comm.rank());
-      for (std::size_t i : plan.bucket(b).tensors) {
-        const std::size_t at = tandem::detail::flat_index(plan, i);
-        for (std::size_t e = 0; e < s[i].numel; ++e) {
-          const std::size_t f = at + e;
-          if (state.param_flat() != nullptr)
-            REQUIRE(std::memcmp(state.param_flat() + f * psize, saved.params[i].data() + e * psize, psize) == 0);
-          if (f < own.begin || f >= own.end) continue;
-          const std::size_t o = tandem::owned_offset<Q>(plan, b) + (f - own.begin);
-          if (state.param_shard() != nullptr)
-            REQUIRE(std::memcmp(state.param_shard() + o * psize, saved.params[i].data() + e * psize, psize) == 0);
-          if (state.master() != nullptr) REQUIRE(state.master()[o] == value(i, e, 1));
-          REQUIRE(state.state(0)[o] == value(i, e, 2));
-          REQUIRE(state.state(1)[o] == value(i, e, 3));
-        }
-      }
-    }
+    for_each_element<Q>(plan, comm.rank(), [&](std::size_t i, std::size_t e, std::size_t f, std::size_t o) {
+      const unsigned char* param = saved.params[i].data() + e * psize;
+      if (state.param_flat() != nullptr) REQUIRE(std::memcmp(state.param_flat() + f * psize, param, psize) == 0);
+      if (o == not_owned) return;
+      if (state.param_shard() != nullptr) REQUIRE(std::memcmp(state.param_shard() + o * psize, param, psize) == 0);
+      if (state.master() != nullptr) REQUIRE(state.master()[o] == value(i, e, 1));
+      REQUIRE(state.state(0)[o] == value(i, e, 2));
+      REQUIRE(state.state(1)[o] == value(i, e, 3));
+    });
   });
 }
 

@@ -342,13 +342,13 @@ class DataParallel {
     meta.saved_by_policy = P::name;
     meta.saved_world_size = static_cast<std::uint32_t>(world_);
     meta.optimizer_fingerprint = optimizer_fingerprint();
-    const CheckpointData c = detail::collect_checkpoint<P>(comm_, backend_, plan_, layout_, state_, std::move(meta));
     std::string problem;
-    if (rank_ == 0) try {
-        write_checkpoint(path, c);
-      } catch (const std::exception& e) {
-        problem = e.what();
-      }
+    try {  // rank 0 assembles and writes: what fails there reaches every rank
+      const CheckpointData c = detail::collect_checkpoint<P>(comm_, backend_, plan_, layout_, state_, std::move(meta));
+      if (rank_ == 0) write_checkpoint(path, c);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
     all_ranks_succeed(problem);
   }
 
@@ -835,20 +835,24 @@ class DataParallel {
                      "'s ParameterBucket is still open; release it (let it go out of scope) first");
   }
 
+  /// `call` (a function and how its argument reads, "gradients(b)") needs owned storage.
+  void require_owned(const std::string& call) const {
+    if (storage_ != Storage::owned)
+      detail::fail("tandem: " + call +
+                   " is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+  }
+
   /// gradients(b), parameters(b), prefetch_parameters(b): owned storage and a bucket in range.
   void check_bucket_call(std::size_t b, const char* what) const {
-    if (storage_ != Storage::owned)
-      detail::fail(std::string("tandem: ") + what +
-                   "(b) is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+    require_owned(std::string(what) + "(b)");
     if (b >= plan_.num_buckets())
       detail::fail(std::string("tandem: ") + what + "(" + std::to_string(b) + "): bucket out of range; the plan has " +
                    std::to_string(plan_.num_buckets()) + " buckets");
   }
 
+  /// param_view(i), grad_view(i): owned storage and a tensor in range.
   void check_view(std::size_t i, const char* what) const {
-    if (storage_ != Storage::owned)
-      detail::fail(std::string("tandem: ") + what +
-                   " is for owned storage (DataParallel built from TensorSpecs); with your own buffers, use them");
+    require_owned(what);
     if (i >= layout_.size())
       detail::fail(std::string("tandem: ") + what + "(" + std::to_string(i) + "): index out of range; the layout has " +
                    std::to_string(layout_.size()) + " tensors");

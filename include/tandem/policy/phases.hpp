@@ -90,16 +90,12 @@ struct UpdateEverywhere {
   }
 };
 
-/// Each rank updates its shard, and the shards are gathered into every rank's full parameters at once (ZeRO-1/2).
-struct GatherAfterUpdate {
-  static constexpr ParameterSharding parameters = ParameterSharding::replicated;
+/// Each rank updates its shard, and the shards are gathered into every rank's full parameters at once (ZeRO-1/2);
+/// a pass finds them where they are, as under UpdateEverywhere.
+struct GatherAfterUpdate : UpdateEverywhere {
   template <class Ops>
   static void after_update(Ops& ops, std::size_t b) {
     ops.gather(b);
-  }
-  template <class Ops>
-  static const void* open_parameters(Ops& ops, std::size_t b) {
-    return ops.parameters(b);
   }
 };
 
