@@ -44,7 +44,7 @@ void make(tandem::LocalComm& comm) {
 float* view(tandem::DataParallel<tandem::GradientSharded, tandem::AdamW>& dp) { return dp.grad_view(0); }
 #elif TANDEM_COMPILE_FAIL_CASE == 6  // expect: nothing to broadcast
 void broadcast(tandem::DataParallel<tandem::ParameterSharded, tandem::AdamW>& dp) { dp.broadcast_parameters(); }
-#elif TANDEM_COMPILE_FAIL_CASE == 7  // expect: Policy
+#elif TANDEM_COMPILE_FAIL_CASE == 7  // expect: gradients_complete
 struct NoHooks {  // traits and collectives, but no phase hooks
   static constexpr const char* name = "NoHooks";
   static constexpr tandem::StateSharding state = tandem::StateSharding::sharded;

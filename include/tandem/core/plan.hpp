@@ -112,6 +112,11 @@ class Plan {
   }
 
   /// Shard `rank` of bucket `b`, in flat coordinates.
+  /// Tensor i's first element in the flat space.
+  std::size_t flat_offset(std::size_t tensor) const {
+    const Placement& at = placement(tensor);
+    return bucket(at.bucket).offset + at.offset;
+  }
   Range shard(std::size_t b, int rank) const {
     const Bucket& k = buckets_[b];
     const std::size_t begin = k.offset + static_cast<std::size_t>(rank) * k.shard_size;

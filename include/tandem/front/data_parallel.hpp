@@ -13,7 +13,8 @@
 //   slot_pool.hpp, gather_slots.hpp   which bucket holds which reused gradient or gather buffer
 // The policy acts through its phase hooks (policy/phases.hpp), over the operations of Ops below; the storage mode
 // (the user's buffers, or tandem's) is fixed by the constructor taken, which selects StorageSteps: the steps of that
-// mode, instantiated for it alone. No step looks at a dtype, a policy trait or the storage mode again.
+// mode, instantiated for it alone; the dtypes select the kernels (BucketKernels). No step dispatches on a dtype, a
+// policy trait or the storage mode again; what it asks is which buffers the policy's rule made (TrainingState).
 //
 // Buffers (F = plan.total_size(), S = plan.total_shard_size(), M = plan.max_bucket_size(); the owned space is the
 // flat space under StateSharding::replicated, the rank's shards under sharded):
@@ -58,6 +59,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -234,7 +236,6 @@ class DataParallel {
     check_no_open_bucket("step()");
     check_no_open_parameters("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
-    const float pack_scale = 1.0f / (static_cast<float>(world_) * static_cast<float>(options_.accumulation_steps));
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
     // the user's stream may still be reading after its last grad_ready.
     StreamScope scope(*this, Exit::leave);
@@ -251,7 +252,7 @@ class DataParallel {
     StepResult result;
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
-    const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale;
+    const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
     if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
       result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
       if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
@@ -337,18 +338,26 @@ class DataParallel {
     const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
     CheckpointData meta;
     meta.step = step_;
-    meta.param_dtype = pdtype_;
     meta.optimizer = Opt::name;
     meta.saved_by_policy = P::name;
     meta.saved_world_size = static_cast<std::uint32_t>(world_);
     meta.optimizer_fingerprint = optimizer_fingerprint();
+    // Every rank allocates first and agrees on it, so that none fails alone inside a gather; rank 0 then assembles and
+    // writes, and every rank learns how that went.
     std::string problem;
-    try {  // rank 0 assembles and writes: what fails there reaches every rank
-      const CheckpointData c = detail::collect_checkpoint<P>(comm_, backend_, plan_, layout_, state_, std::move(meta));
-      if (rank_ == 0) write_checkpoint(path, c);
+    std::optional<detail::CheckpointGather<P, Backend>> gather;
+    try {
+      gather.emplace(backend_, plan_, state_, pdtype_, rank_);
     } catch (const std::exception& e) {
-      problem = e.what();
+      problem = std::string("tandem: save_checkpoint: allocating the gather buffers failed: ") + e.what();
     }
+    all_ranks_succeed(problem);
+    gather->gather(comm_);
+    if (rank_ == 0) try {
+        write_checkpoint(path, gather->data(layout_, std::move(meta)));
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
     all_ranks_succeed(problem);
   }
 
@@ -501,10 +510,7 @@ class DataParallel {
   template <class T, class Fill>
   TANDEM_COLD void initialize_parameters(Fill&& fill, int root = 0) {
     if (!live_.yes) detail::fail("tandem: initialize_parameters on a DataParallel that has been moved from");
-    if (storage_ != Storage::owned)
-      detail::fail(
-          "tandem: initialize_parameters is for owned storage (DataParallel built from TensorSpecs); with your own "
-          "buffers, write them and call broadcast_parameters()");
+    require_owned("initialize_parameters");
     if (dtype_of<T> != pdtype_)
       detail::fail(std::string("tandem: initialize_parameters<") + dtype_name(dtype_of<T>) + ">: the parameters are " +
                    dtype_name(pdtype_));
@@ -525,7 +531,7 @@ class DataParallel {
         }
       all_ranks_succeed(problem);
     };
-    synced_ = false;  // until every bucket is written
+    synced_ = false;                       // until every bucket is written
     if (state_.param_flat() != nullptr) {  // every rank keeps every parameter: fill the root's, then broadcast
       {
         const StreamScope scope(*this, Exit::leave);  // the user's stream writes after tandem's last use of the views
@@ -1003,8 +1009,8 @@ class DataParallel {
   void accumulate_as(std::size_t b) {  // owned storage: backward added into grad_flat itself
     if constexpr (S == Storage::user)
       kernels_.pack_grads(backend_, grad_tables_[b], state_.grad_flat() + plan_.bucket(b).offset,
-                          micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(),
-                          hint(b, sizeof(float)), work_stream());
+                          micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(), hint(b, sizeof(float)),
+                          work_stream());
   }
   template <Storage S>
   float* micro_step_gradients_as(std::size_t b) {
@@ -1142,10 +1148,10 @@ class DataParallel {
       problem = "tandem: an unknown exception was thrown while validating the arguments";
     }
     all_ranks_succeed(problem);
-    detail::agree_on_configuration(comm_, backend_,
-                                   detail::configuration_of(layout_, P::name,
-                                                            detail::fnv1a(Opt::name) ^ Opt::fingerprint(groups_[0]),
-                                                            options_, storage_, world_));
+    detail::agree_on_configuration(
+        comm_, backend_,
+        detail::configuration_of(layout_, P::name, detail::fnv1a(Opt::name) ^ Opt::fingerprint(groups_[0]), options_,
+                                 storage_, world_));
     StreamScope scope(*this, Exit::leave);  // the user's buffers as written on the user's stream
 
     pdtype_ = layout_[0].dtype;
@@ -1206,7 +1212,7 @@ class DataParallel {
 
   // ---- where things are -----------------------------------------------------------------------------------
 
-  std::size_t flat_index(std::size_t tensor) const { return detail::flat_index(plan_, tensor); }
+  std::size_t flat_index(std::size_t tensor) const { return plan_.flat_offset(tensor); }
 
   /// Bucket b's part of the full parameter buffer (none under sharded parameters).
   void* param_bucket(std::size_t b) const {
@@ -1227,18 +1233,21 @@ class DataParallel {
   /// The reduced gradients of bucket b's owned range (where the update reads them): the shard accumulator, or the
   /// owned part of the full gradients.
   void* owned_grads(std::size_t b) const {
-    if (state_.grad_shard() != nullptr)
-      return state_.grad_shard() + plan_.bucket(b).shard_offset * dtype_size(state_.grad_shard_dtype());
+    if (state_.grad_shard() != nullptr) return state_.grad_shard() + plan_.bucket(b).shard_offset * reduced_size();
     return state_.grad_flat() + owned_range(b).begin;
+  }
+  /// Bytes per reduced gradient where the update reads them: the shard's dtype, or fp32.
+  std::size_t reduced_size() const {
+    return state_.grad_shard() != nullptr ? dtype_size(state_.grad_shard_dtype()) : sizeof(float);
   }
 
   BucketView view(std::size_t b, void* grads, DType grad_dtype = DType::fp32) const {
     const Bucket& bucket = plan_.bucket(b);
     void* param = param_bucket(b);  // under sharded parameters none: a gather names its buffer
-    const void* shard = state_.param_shard() != nullptr
-                            ? owned_params(b)
-                            : static_cast<unsigned char*>(param) +
-                                  static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
+    const void* shard =
+        state_.param_shard() != nullptr
+            ? owned_params(b)
+            : static_cast<unsigned char*>(param) + static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
     return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
   }
 
@@ -1258,7 +1267,7 @@ class DataParallel {
   double global_sum_of_squares(const StreamScope&) {
     const std::size_t buckets = plan_.num_buckets();
     const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
-    const std::size_t gsize = dtype_size(state_.grad_shard() != nullptr ? state_.grad_shard_dtype() : DType::fp32);
+    const std::size_t gsize = reduced_size();
     double* terms = state_.norm_terms(backend_, shards * buckets + 1);
     double* total = terms + shards * buckets;
     for (std::size_t g = 0; g < shards; ++g)
@@ -1268,7 +1277,7 @@ class DataParallel {
         kernels_.sum_squares(backend_, x, n, terms + g * buckets + b, work_stream());
       }
     backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
-    if (shards < static_cast<std::size_t>(world_))  // each rank holds its own shards' terms
+    if (!owns_every_shard<P>(world_))  // each rank holds its own shards' terms
       comm_.all_reduce(total, total, 1, DType::fp64, ReduceOp::sum, work_stream());
     double host = 0.0;
     backend_.read(&host, total, sizeof host, work_stream());
@@ -1285,7 +1294,7 @@ class DataParallel {
 
   /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group.
   void update(const StreamScope&, std::size_t b, const std::vector<typename Opt::Scalars>& scalars, float grad_scale) {
-    const std::size_t gsize = dtype_size(state_.grad_shard() != nullptr ? state_.grad_shard_dtype() : DType::fp32);
+    const std::size_t gsize = reduced_size();
     auto* params = static_cast<unsigned char*>(owned_params(b));
     const auto* grads = static_cast<const unsigned char*>(owned_grads(b));
     for (const Segment& seg : segments_[b]) {
@@ -1343,7 +1352,8 @@ class DataParallel {
       detail::fail("tandem: " + what + ": the " + Opt::name + " options" +
                    (g == 0 ? std::string() : " of optimizer group " + std::to_string(g)) + " need " +
                    std::to_string(Opt::state_count(options)) + " state buffers but DataParallel was constructed with " +
-                   std::to_string(state_.state_count()) + " (e.g. SGD momentum enabled later); construct with it enabled");
+                   std::to_string(state_.state_count()) +
+                   " (e.g. SGD momentum enabled later); construct with it enabled");
   }
 
   /// The optimizer options' fingerprint: group 0's alone when there is one group (as checkpoints have always held),

@@ -6,10 +6,10 @@
 // the traits remain for what must be known before anything runs: the buffer rule, the coherence checks (policy.hpp),
 // the memory estimator and the scaling model.
 //
-//   phase                                   hook                               schemes
-//   a bucket's gradients of one micro-step  gradients_complete(ops, b)         ReduceAtBoundary, ReduceEveryMicroStep
-//   the optimizer wrote the owned range     after_update(ops, b)               UpdateEverywhere, GatherAfterUpdate,
-//   a pass asks for a bucket's parameters   open_parameters(ops, b)            GatherBeforeUse
+//   phase                                   hook                        schemes
+//   a bucket's gradients of one micro-step  gradients_complete(ops, b)  ReduceAtBoundary, ReduceEveryMicroStep
+//   the optimizer wrote the owned range     after_update(ops, b)        UpdateEverywhere, GatherAfterUpdate,
+//   a pass asks for a bucket's parameters   open_parameters(ops, b)       GatherBeforeUse (both hooks)
 #pragma once
 
 #include <cstddef>

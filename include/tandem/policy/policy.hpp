@@ -178,14 +178,15 @@ std::size_t owned_offset(const Plan& plan, std::size_t b) {
   return plan.bucket(b).shard_offset;
 }
 
-/// How many of a bucket's `world` shards one rank owns, starting at shard first_owned_shard<P>(rank).
+/// How many of a bucket's `world` shards one rank owns (all of them, or its own).
 template <Policy P>
 constexpr int owned_shards(int world) {
   return P::state == StateSharding::replicated ? world : 1;
 }
+/// Whether a rank owns every shard of every bucket, so that nothing of the owned space needs gathering.
 template <Policy P>
-constexpr int first_owned_shard(int rank) {
-  return P::state == StateSharding::replicated ? 0 : rank;
+constexpr bool owns_every_shard(int world) {
+  return owned_shards<P>(world) == world;
 }
 
 /// A policy that reduce-scatters every micro-step keeps only its shard of the reduced gradients, so it must shard the

@@ -21,9 +21,9 @@ namespace tandem::detail {
 
 /// One optimizer launch over a flat range, its pointers untyped (BucketKernels::update types them).
 struct UpdateRange {
-  void* param = nullptr;          ///< the parameter dtype's values
-  float* master = nullptr;        ///< fp32 weights (== param for fp32 parameters)
-  const void* grad = nullptr;     ///< the reduced gradients, in G
+  void* param = nullptr;       ///< the parameter dtype's values
+  float* master = nullptr;     ///< fp32 weights (== param for fp32 parameters)
+  const void* grad = nullptr;  ///< the reduced gradients, in G
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
   float grad_scale = 1.0f;
@@ -97,13 +97,13 @@ struct BucketKernels {
     if (mode == WriteMode::assign)
       be.launch(t.items,
                 PackBody<T, float, PackDirection::to_bucket, WriteMode::assign>{t.reading_user, t.tensors, bucket,
-                                                                                 scale, hint},
+                                                                                scale, hint},
                 s);
     else  // read-modify-write: the bucket is read back, so its stores stay cached
-      be.launch(t.items,
-                PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{t.reading_user, t.tensors, bucket,
-                                                                                     scale},
-                s);
+      be.launch(
+          t.items,
+          PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{t.reading_user, t.tensors, bucket, scale},
+          s);
   }
   template <class T>
   static void masters_as(const Backend& be, const void* params, float* master, std::size_t n, Stream s) {

@@ -3,7 +3,8 @@
 // policy-independent form: per tensor, its parameters, fp32 master weights and optimizer state). Saving gathers
 // every owned range to rank 0 (the state's owned space under policy P: all of it under replicated state, the rank's
 // shards under sharded state; the parameters from the full buffer, or gathered from the shards); loading takes from
-// the data what this rank owns. The front checks the data (detail::check_checkpoint) and orders the streams.
+// the data what this rank owns. The front agrees on failures across ranks (detail::all_ranks_succeed), checks the
+// data (detail::check_checkpoint) and orders the streams.
 #pragma once
 
 #include <algorithm>
@@ -22,73 +23,84 @@
 
 namespace tandem::detail {
 
-/// Tensor i's offset in the plan's flat space.
-inline std::size_t flat_index(const Plan& plan, std::size_t tensor) {
-  const Placement& at = plan.placement(tensor);
-  return plan.bucket(at.bucket).offset + at.offset;
-}
+/// Saving: every owned-space array of a rank's state (master weights, optimizer state, parameter shards) over the
+/// whole flat space on every rank, and the full parameters on rank 0, gathered in three steps so that no rank ever
+/// fails alone inside a collective: the constructor allocates everything (the caller agrees on its success across
+/// ranks), gather() runs the collectives and allocates nothing, and data() (rank 0) assembles the CheckpointData.
+template <Policy P, class Backend>
+class CheckpointGather {
+ public:
+  TANDEM_COLD CheckpointGather(const Backend& backend, const Plan& plan, const TrainingState<Backend>& state,
+                               DType param_dtype, int rank)
+      : backend_(backend), plan_(plan), state_(state), pdtype_(param_dtype), rank_(rank) {
+    const std::size_t full = plan.total_size(), psize = dtype_size(param_dtype);
+    staging_ = backend.template allocate<unsigned char>(full * std::max(psize, sizeof(float)));
+    if (state.master() != nullptr) masters_.resize(full * sizeof(float));
+    if (state.param_flat() == nullptr || rank == 0) params_.resize(full * psize);
+    states_.assign(state.state_count(), std::vector<unsigned char>(full * sizeof(float)));
+  }
 
-/// An owned-space array of `dtype` (master weights, optimizer state, parameter shards) over the whole flat space, on
-/// every rank: each bucket's owned ranges all-gathered, or copied where every rank owns all of it. Collective.
-template <Policy P, class Backend, Communicator Comm>
-TANDEM_COLD std::vector<unsigned char> gather_owned(Comm& comm, const Backend& backend, const Plan& plan,
-                                                    const void* owned, DType dtype) {
-  const std::size_t size = dtype_size(dtype);
-  auto gathered = backend.template allocate<unsigned char>(plan.total_size() * size);
-  const auto* from = static_cast<const unsigned char*>(owned);
-  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
-    const Bucket& bucket = plan.bucket(b);
-    if (owned_shards<P>(comm.size()) == comm.size())
-      backend.copy(gathered.data() + bucket.offset * size, from + owned_offset<P>(plan, b) * size, bucket.size * size,
-                   backend.stream());
-    else
-      comm.all_gather(from + owned_offset<P>(plan, b) * size, gathered.data() + bucket.offset * size,
-                      bucket.shard_size, dtype, backend.stream());
+  /// The collectives (every rank, in the same order), then rank 0's read of the full parameters.
+  template <Communicator Comm>
+  TANDEM_COLD void gather(Comm& comm) {
+    if (state_.master() != nullptr) gather_owned(comm, state_.master(), DType::fp32, masters_);
+    if (state_.param_flat() == nullptr) gather_owned(comm, state_.param_shard(), pdtype_, params_);
+    for (std::size_t k = 0; k < state_.state_count(); ++k) gather_owned(comm, state_.state(k), DType::fp32, states_[k]);
+    if (state_.param_flat() != nullptr && rank_ == 0)
+      backend_.read(params_.data(), state_.param_flat(), params_.size(), backend_.stream());
   }
-  std::vector<unsigned char> full(gathered.bytes());
-  backend.read(full.data(), gathered.data(), gathered.bytes(), backend.stream());
-  return full;
-}
 
-/// The training state as a checkpoint holds it: `meta` (step, names, fingerprint) with every tensor's parameters,
-/// masters and state filled in on rank 0; the other ranks take part in the gathers and return `meta` as it is.
-/// Collective.
-template <Policy P, class Backend, Communicator Comm>
-TANDEM_COLD CheckpointData collect_checkpoint(Comm& comm, const Backend& backend, const Plan& plan,
-                                              const Layout& layout, const TrainingState<Backend>& state,
-                                              CheckpointData meta) {
-  const DType pdtype = meta.param_dtype;
-  const std::size_t psize = dtype_size(pdtype);
-  const int rank = comm.rank();
-  std::vector<unsigned char> masters, params;
-  if (state.master() != nullptr) masters = gather_owned<P>(comm, backend, plan, state.master(), DType::fp32);
-  if (state.param_flat() == nullptr) {
-    params = gather_owned<P>(comm, backend, plan, state.param_shard(), pdtype);
-  } else if (rank == 0) {
-    params.resize(plan.total_size() * psize);
-    backend.read(params.data(), state.param_flat(), params.size(), backend.stream());
+  /// Rank 0: `meta` (step, names, fingerprint) with every tensor's parameters, masters and state filled in.
+  TANDEM_COLD CheckpointData data(const Layout& layout, CheckpointData meta) const {
+    const std::size_t psize = dtype_size(pdtype_);
+    auto floats = [](const std::vector<unsigned char>& bytes, std::size_t at, std::size_t n) {
+      std::vector<float> v(n);
+      if (n != 0) std::memcpy(v.data(), bytes.data() + at * sizeof(float), n * sizeof(float));
+      return v;
+    };
+    meta.param_dtype = pdtype_;
+    meta.state_count = static_cast<std::uint32_t>(state_.state_count());
+    meta.tensors = layout.tensors();
+    for (std::size_t i = 0; i < layout.size(); ++i) {
+      const std::size_t at = plan_.flat_offset(i), n = layout[i].numel;
+      const unsigned char* p = params_.data() + at * psize;
+      meta.params.emplace_back(p, p + n * psize);
+      meta.masters.push_back(masters_.empty() ? std::vector<float>{} : floats(masters_, at, n));
+      meta.states.emplace_back();
+      for (const auto& st : states_) meta.states.back().push_back(floats(st, at, n));
+    }
+    return meta;
   }
-  std::vector<std::vector<unsigned char>> states;
-  for (std::size_t k = 0; k < state.state_count(); ++k)
-    states.push_back(gather_owned<P>(comm, backend, plan, state.state(k), DType::fp32));
-  if (rank != 0) return meta;
-  auto floats = [](const std::vector<unsigned char>& bytes, std::size_t at, std::size_t n) {
-    std::vector<float> v(n);
-    if (n != 0) std::memcpy(v.data(), bytes.data() + at * sizeof(float), n * sizeof(float));
-    return v;
-  };
-  meta.state_count = static_cast<std::uint32_t>(state.state_count());
-  meta.tensors = layout.tensors();
-  for (std::size_t i = 0; i < layout.size(); ++i) {
-    const std::size_t at = flat_index(plan, i), n = layout[i].numel;
-    const unsigned char* p = params.data() + at * psize;
-    meta.params.emplace_back(p, p + n * psize);
-    meta.masters.push_back(masters.empty() ? std::vector<float>{} : floats(masters, at, n));
-    meta.states.emplace_back();
-    for (const auto& st : states) meta.states.back().push_back(floats(st, at, n));
+
+ private:
+  /// An owned-space array of `dtype` over the whole flat space, into `out`: each bucket's owned ranges all-gathered,
+  /// or copied where a rank owns every shard.
+  template <Communicator Comm>
+  void gather_owned(Comm& comm, const void* owned, DType dtype, std::vector<unsigned char>& out) {
+    const std::size_t size = dtype_size(dtype);
+    const auto* from = static_cast<const unsigned char*>(owned);
+    unsigned char* to = staging_.data();
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+      const Bucket& bucket = plan_.bucket(b);
+      if (owns_every_shard<P>(comm.size()))
+        backend_.copy(to + bucket.offset * size, from + owned_offset<P>(plan_, b) * size, bucket.size * size,
+                      backend_.stream());
+      else
+        comm.all_gather(from + owned_offset<P>(plan_, b) * size, to + bucket.offset * size, bucket.shard_size, dtype,
+                        backend_.stream());
+    }
+    backend_.read(out.data(), to, out.size(), backend_.stream());
   }
-  return meta;
-}
+
+  const Backend& backend_;
+  const Plan& plan_;
+  const TrainingState<Backend>& state_;
+  DType pdtype_;
+  int rank_;
+  typename Backend::template Buffer<unsigned char> staging_;
+  std::vector<unsigned char> masters_, params_;
+  std::vector<std::vector<unsigned char>> states_;
+};
 
 /// Copies what this rank keeps of a checked checkpoint into its state, on the backend's work stream: the full
 /// parameters (where it keeps them), and over its owned ranges the parameter shards, master weights and optimizer
@@ -98,7 +110,7 @@ TANDEM_COLD void restore_checkpoint(const Backend& backend, const Plan& plan, co
                                     const TrainingState<Backend>& state, const CheckpointData& c) {
   const std::size_t psize = dtype_size(c.param_dtype);
   for (std::size_t i = 0; i < layout.size(); ++i) {
-    const std::size_t at = flat_index(plan, i), n = layout[i].numel;
+    const std::size_t at = plan.flat_offset(i), n = layout[i].numel;
     if (n == 0) continue;
     if (state.param_flat() != nullptr)
       backend.copy(state.param_flat() + at * psize, c.params[i].data(), n * psize, backend.stream());

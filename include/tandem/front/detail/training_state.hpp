@@ -54,13 +54,11 @@ class TrainingState {
     zeroed(param_flat_, need.param_flat * psize_);
     zeroed(param_shard_, need.param_shard * psize_);
     zeroed(gather_, need.param_slots * need.param_slot_size * psize_);
-    gathers_ = need.param_slot_size == 0 ? 0 : need.param_slots;  // buffers of no elements are none
     if (need.master != 0) master_ = backend.template allocate<float>(need.master);
     for (std::size_t k = 0; k < state_count; ++k) zeroed(state_[k], need.state);
     zeroed(grad_flat_, need.grad_flat);
     zeroed(staging_, need.staging);
     zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
-    slots_ = need.grad_slot_size == 0 ? 0 : need.grad_slots;
     zeroed(grad_shard_, need.grad_shard * dtype_size(shard_dtype_));
     zeroed(reduce_, need.reduce_buffer * dtype_size(reduce_dtype));
   }
@@ -70,12 +68,12 @@ class TrainingState {
     constexpr std::size_t f = sizeof(float);
     return {.param_flat = param_flat_.bytes() / psize_,
             .param_shard = param_shard_.bytes() / psize_,
-            .param_slots = gathers_,
+            .param_slots = gather_buffers(),
             .param_slot_size = gather_size_,
             .master = master_.bytes() / f,
             .state = state_[0].bytes() / f,
             .grad_flat = grad_flat_.bytes() / f,
-            .grad_slots = slots_,
+            .grad_slots = grad_slots(),
             .grad_slot_size = slot_size_,
             .staging = staging_.bytes() / f,
             .grad_shard = grad_shard_.bytes() / dtype_size(shard_dtype_),
@@ -89,7 +87,8 @@ class TrainingState {
   unsigned char* param_flat() const { return param_flat_.data(); }
   /// This rank's parameter shards (null unless the policy shards the parameters).
   unsigned char* param_shard() const { return param_shard_.data(); }
-  std::size_t gather_buffers() const { return gathers_; }
+  /// Counted from the allocation (none of no elements; none after a move).
+  std::size_t gather_buffers() const { return gather_size_ == 0 ? 0 : gather_.bytes() / (gather_size_ * psize_); }
   unsigned char* gather_buffer(std::size_t s) const { return gather_.data() + s * gather_size_ * psize_; }
   /// fp32 master weights of the owned space (null for fp32 parameters, which are their own).
   float* master() const { return master_.data(); }
@@ -98,7 +97,7 @@ class TrainingState {
   /// Full fp32 gradients living across the step (null where the policy keeps none).
   float* grad_flat() const { return grad_flat_.data(); }
   float* staging() const { return staging_.data(); }
-  std::size_t grad_slots() const { return slots_; }
+  std::size_t grad_slots() const { return slot_size_ == 0 ? 0 : grad_slots_.bytes() / (slot_size_ * sizeof(float)); }
   std::size_t grad_slot_size() const { return slot_size_; }
   float* grad_slot(std::size_t s) const { return grad_slots_.data() + s * slot_size_; }
   /// All gradient slots, for zeroing them at once.
@@ -117,8 +116,8 @@ class TrainingState {
 
  private:
   std::size_t psize_ = 4;
-  std::size_t gather_size_ = 0, gathers_ = 0;
-  std::size_t slot_size_ = 0, slots_ = 0;
+  std::size_t gather_size_ = 0;  ///< elements per gather buffer
+  std::size_t slot_size_ = 0;    ///< elements per gradient slot
   std::size_t state_count_ = 0;
   DType shard_dtype_ = DType::fp32;
   DType reduce_dtype_ = DType::fp32;
