@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Checkpoints: bit-identical resume, resharding across world sizes and policies, corrupt and truncated files,
-// a crash in the middle of a save, and mismatched layouts or optimizers, each failing on every rank.
+// a crash in the middle of a save, and mismatched layouts or optimizers, each failing on every rank; the writer's
+// temporary files (unique per writer, removed when a save fails), the limit on names, ranks loading different files.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
@@ -63,6 +65,16 @@ Params train(int world, int first, int last, Action action, const std::string& p
     }
   });
   return out;
+}
+
+// The temporary files a save to `path` may leave beside it.
+std::vector<std::string> temporaries_of(const std::string& path) {
+  const std::filesystem::path p(path);
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(p.parent_path()))
+    if (entry.path().filename().string().starts_with(p.filename().string() + ".tmp"))
+      found.push_back(entry.path().string());
+  return found;
 }
 
 std::vector<char> read_file(const std::string& path) {
@@ -190,8 +202,93 @@ TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadab
   CHECK(messages[0].find("simulated crash") != std::string::npos);
   CHECK(messages[1].find("rank 0 failed") != std::string::npos);
   CHECK(train<tandem::OptimizerSharded>(2, 4, 4, Action::load, path) == first);
+  CHECK(temporaries_of(path).size() == 1);  // the crash left its partial file, as a real one would
+  for (const std::string& t : temporaries_of(path)) std::remove(t.c_str());
   std::remove(path.c_str());
-  std::remove((path + ".tmp").c_str());
+}
+
+TEST_CASE("a save whose rename fails removes its temporary file; saves to one path from many threads do not mix") {
+  tandem::CheckpointData c;
+  c.tensors = {{"w", 3, tandem::DType::fp32}};
+  c.params = {std::vector<unsigned char>(12, 7)};
+  c.masters = {{}};
+  c.states = {{}};
+  // The target is a directory: the rename fails, and nothing is left behind.
+  const std::string dir = temp_path("rename_target");
+  std::filesystem::create_directory(dir);
+  std::ofstream(dir + "/keep").put('x');  // not empty: rename over it fails on every file system
+  CHECK_THROWS_WITH_AS(tandem::write_checkpoint(dir, c), doctest::Contains("cannot rename"), tandem::error);
+  CHECK(temporaries_of(dir).empty());
+  std::filesystem::remove_all(dir);
+  // Four writers, five saves each, of four different checkpoints: the file is always one of them, whole.
+  const std::string path = temp_path("concurrent");
+  std::vector<tandem::CheckpointData> versions(4, c);
+  for (std::size_t k = 0; k < versions.size(); ++k) versions[k].step = k;
+  std::vector<std::thread> writers;
+  for (std::size_t k = 0; k < versions.size(); ++k)
+    writers.emplace_back([&, k] {
+      for (int n = 0; n < 5; ++n) tandem::write_checkpoint(path, versions[k]);
+    });
+  for (std::thread& w : writers) w.join();
+  const tandem::CheckpointData read = tandem::read_checkpoint(path);
+  CHECK(read.step < versions.size());
+  CHECK(read.params == c.params);
+  CHECK(temporaries_of(path).empty());
+  std::remove(path.c_str());
+}
+
+TEST_CASE("names are limited alike on save and load: 4096 bytes round-trip, 4097 fail to save on every rank") {
+  for (std::size_t length : {tandem::checkpoint_max_text, tandem::checkpoint_max_text + 1}) {
+    CAPTURE(length);
+    const std::string path = temp_path("long_name");
+    std::vector<std::string> messages(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      std::vector<float> w(5, 1.0f), g(5, 0.5f);
+      test::DataParallel<tandem::Replicated, tandem::SGD> dp(
+          comm, {{std::string(length, 'n'), w.data(), g.data(), w.size()}}, {.lr = 0.1f});
+      dp.step();
+      try {
+        dp.save_checkpoint(path);
+        dp.load_checkpoint(path);
+        CHECK(dp.step_count() == 1);
+      } catch (const tandem::error& e) {
+        messages[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+    });
+    if (length == tandem::checkpoint_max_text) {
+      CHECK(messages == std::vector<std::string>(2));
+    } else {
+      CHECK(messages[0].find("names of at most 4096 bytes") != std::string::npos);
+      CHECK(messages[1].find("rank 0 failed") != std::string::npos);
+    }
+    CHECK(temporaries_of(path).empty());
+    std::remove(path.c_str());
+  }
+}
+
+TEST_CASE("ranks that load different checkpoints all throw, and nothing changes") {
+  const std::string early = temp_path("early"), late = temp_path("late");
+  train<tandem::Replicated>(2, 0, 2, Action::save, early);
+  train<tandem::Replicated>(2, 0, 3, Action::save, late);
+  std::vector<std::string> messages(2);
+  std::vector<std::uint64_t> steps(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 5);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+                                                             {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+    const auto before = model.params();
+    try {
+      dp.load_checkpoint(comm.rank() == 0 ? early : late);
+    } catch (const tandem::error& e) {
+      messages[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    steps[static_cast<std::size_t>(comm.rank())] = dp.step_count();
+    CHECK(model.params() == before);
+  });
+  for (const std::string& m : messages) CHECK(m.find("read different checkpoints (steps 2 and 3)") != std::string::npos);
+  CHECK(steps == std::vector<std::uint64_t>{0, 0});
+  std::remove(early.c_str());
+  std::remove(late.c_str());
 }
 
 TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumulation window, are rejected") {

@@ -14,6 +14,7 @@
 
 #include "tandem/backend/host.hpp"
 #include "tandem/comm/local_group.hpp"
+#include "tandem/front/data_parallel.hpp"
 #include "tandem/front/detail/agreement.hpp"
 #include "tandem/front/detail/bucket_kernels.hpp"
 #include "tandem/front/detail/checkpoint_io.hpp"
@@ -403,4 +404,36 @@ TEST_CASE("checkpoint I/O gathers each policy's owned space and gives each rank 
       check_checkpoint_io<tandem::ParameterSharded, tandem::OptimizerSharded>(world, restore, DType::fp32);
       check_checkpoint_io<tandem::GradientSharded, tandem::Replicated>(world, restore, DType::bf16);
     }
+}
+
+namespace {
+
+/// HostBackend whose allocations of more than `limit` bytes fail as the host's do, with std::bad_alloc.
+struct LimitedBackend : HostBackend {
+  std::size_t limit = 0;
+  template <class T>
+  Buffer<T> allocate(std::size_t n) const {
+    if (n * sizeof(T) > limit) throw std::bad_alloc();
+    return HostBackend::allocate<T>(n);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an allocation that fails is a tandem::error naming the buffer, on every rank") {
+  // Rank 1 cannot hold its first buffer (the parameters' bucket: 1000 fp32 elements padded to 1024); rank 0 can.
+  std::vector<std::string> errors(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    std::vector<float> w(1000), g(1000);
+    LimitedBackend backend;
+    backend.limit = comm.rank() == 1 ? 3000 : std::size_t{1} << 30;
+    try {
+      tandem::DataParallel<tandem::Replicated, tandem::AdamW, LimitedBackend> dp(
+          comm, {{"w", w.data(), g.data(), w.size()}}, {}, {}, backend);
+    } catch (const tandem::error& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  CHECK(errors[1].find("allocating the parameters (4096 bytes) failed: std::bad_alloc") != std::string::npos);
+  CHECK(errors[0].find("rank 1 failed: tandem: allocating the parameters") != std::string::npos);
 }

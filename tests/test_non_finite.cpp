@@ -11,6 +11,7 @@
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/train.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -79,6 +80,40 @@ TEST_CASE_TEMPLATE("skip_step drops the poisoned step on every rank, exactly as 
     CHECK(skipped.steps == 5);
     CHECK(skipped.skipped == 1);
     CHECK(left_out.skipped == 0);
+  }
+}
+
+// After throw_error the next window trains as if the poisoned one had been skipped: every policy, both storage modes,
+// with accumulation (the window's micro-steps, its gradients in tandem's buffers or accumulated in the user's bucket,
+// are all dropped). Before, copy mode kept the window's last micro-step and its NaN, and owned storage kept the NaN in
+// its gradient buffer, so every later step threw again.
+TEST_CASE_TEMPLATE("after throw_error the next window trains as if the poisoned one had been skipped", P,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
+  for (bool owned : {false, true}) {
+    if (!owned && tandem::parameter_sharding_of<P> == tandem::ParameterSharding::sharded) continue;
+    for (int accumulation : {1, 2}) {
+      CAPTURE(owned);
+      CAPTURE(accumulation);
+      test::TrainSetup setup{
+          .steps = 5, .accumulation = accumulation, .owned = owned, .poison_step = 2, .poison_rank = 1};
+      const mlp::Dataset data = test::make_dataset(setup);
+      auto run = [&](tandem::NonFinite policy) {
+        setup.non_finite = policy;
+        test::Params out;
+        std::mutex m;
+        tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
+          const test::Params p = test::train_rank<P, tandem::AdamW, float>(comm, setup, data, {.lr = 1e-2f});
+          std::lock_guard lock(m);
+          if (comm.rank() == 0) out = p;
+        });
+        return out;
+      };
+      const test::Params thrown = run(tandem::NonFinite::throw_error);
+      const test::Params skipped = run(tandem::NonFinite::skip_step);
+      CHECK(thrown == skipped);
+      for (const auto& t : thrown)
+        for (float x : t) REQUIRE(tandem::finite(x));
+    }
   }
 }
 

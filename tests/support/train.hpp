@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "../../examples/mlp/mlp.hpp"
@@ -31,6 +32,10 @@ struct TrainSetup {
   tandem::DType reduce_dtype = tandem::DType::fp32;  // DataParallelOptions::reduce_dtype
   float max_grad_norm = 0.0f;                        // DataParallelOptions::max_grad_norm
   bool owned = false;                                // owned storage under every policy (always when it shards params)
+  tandem::NonFinite non_finite = tandem::NonFinite::ignore;  // DataParallelOptions::non_finite; throw_error's errors
+                                                             // are caught and training goes on
+  int poison_step = -1;  // at this optimizer step's last micro-step, rank poison_rank's first gradient is a NaN
+  int poison_rank = 0;
 };
 
 /// The synthetic task, large enough for `setup`.
@@ -53,6 +58,7 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
                                         .first_bucket_cap_bytes = setup.bucket_cap_bytes / 2,
                                         .accumulation_steps = setup.accumulation,
                                         .max_grad_norm = setup.max_grad_norm,
+                                        .non_finite = setup.non_finite,
                                         .reduce_dtype = setup.reduce_dtype};
   auto make = [&] {
     if constexpr (!sharded)
@@ -81,6 +87,8 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
             std::copy_n(params.template param<T>(i), model.params()[i].size(), model.params()[i].begin());
         }
       model.forward_backward(data, begin, local);
+      if (step == setup.poison_step && micro == setup.accumulation - 1 && comm.rank() == setup.poison_rank)
+        model.grads()[0][0] = tandem::convert<T>(std::numeric_limits<float>::quiet_NaN());
       if (owned)
         for (std::size_t b = 0; b < buckets; ++b) {
           auto grads = dp.gradients(b);
@@ -88,7 +96,11 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
             for (std::size_t e = 0; e < model.grads()[i].size(); ++e)
               grads.grad(i)[e] += static_cast<float>(model.grads()[i][e]);
         }
-      dp.step();
+      try {
+        dp.step();
+      } catch (const tandem::error&) {
+        if (setup.non_finite != tandem::NonFinite::throw_error) throw;  // else: the window was dropped; go on
+      }
     }
   }
   if (owned)

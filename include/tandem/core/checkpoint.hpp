@@ -11,14 +11,17 @@
 //         (str = u32 length + bytes)
 // record: the parameters (numel elements of the parameter dtype), then for 16-bit parameters the fp32 master
 //         weights, then state_count fp32 optimizer-state arrays (numel each).
-// Writes are atomic: a temporary file in the same directory is written, flushed to disk (fsync) and renamed
-// over the target, so a crash at any point leaves the previous checkpoint intact.
+// Writes are atomic: a temporary file in the same directory, named uniquely for each writer (so that saves to one path
+// from several threads or processes never share one), is written, flushed to disk (fsync) and renamed over the
+// target, so a crash at any point leaves the previous checkpoint intact; a write that fails removes its temporary
+// file. Strings (names) are at most checkpoint_max_text bytes, on write as on read.
 #pragma once
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +30,7 @@
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/tensor.hpp"
 
 namespace tandem {
@@ -45,7 +49,12 @@ struct CheckpointData {
   std::vector<std::vector<unsigned char>> params;
   std::vector<std::vector<float>> masters;
   std::vector<std::vector<std::vector<float>>> states;
+  /// Set by parse_checkpoint: a hash of the file's checksums, equal for equal files (what ranks compare after a load).
+  std::uint64_t content_id = 0;
 };
+
+/// The longest string (a tensor name, an optimizer or policy name) a checkpoint holds, in bytes.
+inline constexpr std::size_t checkpoint_max_text = 4096;
 
 namespace detail {
 
@@ -77,19 +86,23 @@ inline std::size_t& checkpoint_fault_after_bytes() {
   return bytes;
 }
 
+/// A temporary name beside `path` that no other writer uses: the process id and a per-process count.
+inline std::string unique_temp_name(const std::string& path) {
+  static std::atomic<std::uint64_t> count{0};
+  return path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(count.fetch_add(1));
+}
+
 class CheckpointWriter {
  public:
-  explicit CheckpointWriter(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp") {
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  explicit CheckpointWriter(std::string path) : path_(std::move(path)), temp_(unique_temp_name(path_)) {
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd_ < 0) fail("tandem: cannot create the checkpoint file `" + temp_ + "`: " + std::strerror(errno));
   }
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
   ~CheckpointWriter() {
-    if (fd_ >= 0) {  // not committed: leave the previous checkpoint alone and remove the partial file
-      ::close(fd_);
-      ::unlink(temp_.c_str());
-    }
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_ && !crashed_) ::unlink(temp_.c_str());  // leave the previous checkpoint alone, remove the partial
   }
 
   void bytes(const void* data, std::size_t n) {
@@ -97,7 +110,8 @@ class CheckpointWriter {
     if (limit != 0 && written_ + n > limit) {
       write_all(data, limit - written_);
       ::close(fd_);
-      fd_ = -1;  // a crash: the partial temporary file stays behind, as it would
+      fd_ = -1;
+      crashed_ = true;  // a crash: the partial temporary file stays behind, as it would
       fail("tandem: simulated crash while writing the checkpoint");
     }
     write_all(data, n);
@@ -119,6 +133,7 @@ class CheckpointWriter {
     fd_ = -1;
     if (::rename(temp_.c_str(), path_.c_str()) != 0)
       fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
+    committed_ = true;
     const std::size_t slash = path_.find_last_of('/');
     const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
     const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -144,6 +159,7 @@ class CheckpointWriter {
   std::string path_, temp_;
   int fd_ = -1;
   std::size_t written_ = 0;
+  bool committed_ = false, crashed_ = false;
 };
 
 /// Reads a checkpoint from memory, checking every length against what is left.
@@ -163,7 +179,7 @@ class CheckpointReader {
     bytes(&v, sizeof v);
     return v;
   }
-  std::string text(std::size_t max = 4096) {
+  std::string text(std::size_t max = checkpoint_max_text) {
     const auto n = value<std::uint32_t>();
     if (n > max) corrupt("a string length of " + std::to_string(n) + " is implausible");
     std::string s(n, '\0');
@@ -195,6 +211,10 @@ inline void write_checkpoint(const std::string& path, const CheckpointData& c) {
     header.insert(header.end(), static_cast<const unsigned char*>(p), static_cast<const unsigned char*>(p) + n);
   };
   auto put_text = [&](const std::string& s) {
+    if (s.size() > checkpoint_max_text)
+      detail::fail("tandem: cannot save a checkpoint: the name `" + s.substr(0, 64) + "...` is " +
+                   std::to_string(s.size()) + " bytes long; checkpoints hold names of at most " +
+                   std::to_string(checkpoint_max_text) + " bytes");
     const auto n = static_cast<std::uint32_t>(s.size());
     put(&n, 4);
     put(s.data(), s.size());
@@ -279,6 +299,7 @@ inline CheckpointData parse_checkpoint(const std::vector<unsigned char>& data, c
   }
   if (r.at() != header_end) r.corrupt("the header's length does not match its contents");
   if (r.value<std::uint32_t>() != header_crc) r.corrupt("the header's checksum does not match");
+  c.content_id = detail::fnv1a(&header_crc, sizeof header_crc);
 
   const std::size_t psize = dtype_size(c.param_dtype);
   for (std::size_t i = 0; i < c.tensors.size(); ++i) {
@@ -295,6 +316,7 @@ inline CheckpointData parse_checkpoint(const std::vector<unsigned char>& data, c
     for (auto& s : c.states.back()) r.bytes(s.data(), n * 4);
     if (r.value<std::uint32_t>() != crc)
       r.corrupt("the checksum of tensor " + std::to_string(i) + " (`" + c.tensors[i].name + "`) does not match");
+    c.content_id = detail::fnv1a(&crc, sizeof crc, c.content_id);
   }
   const std::size_t before = r.at();
   char trailer[8];

@@ -13,6 +13,21 @@
 
 namespace tandem {
 
+/// Whether x is finite (neither infinite nor NaN), read from its bits. Unlike std::isfinite, comparisons and
+/// x != x, it holds under -ffinite-math-only (-Ofast, -ffast-math), where the compiler may assume every float is
+/// finite and fold those to a constant: tandem's own checks (non-finite gradients, option validation) use it, so they
+/// hold under whatever flags a user compiles with.
+TANDEM_HD inline bool finite(double x) {
+  std::uint64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+TANDEM_HD inline bool finite(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
 /// The element type of a buffer.
 enum class DType : std::uint8_t { fp32, bf16, fp16, fp64 };
 

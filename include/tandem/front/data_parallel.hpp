@@ -255,19 +255,23 @@ class DataParallel {
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
     if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
       result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
-      if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::throw_error)
+      const bool finite = tandem::finite(result.grad_norm);
+      if (!finite && options_.non_finite == NonFinite::throw_error) {
+        drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
         detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
-                     std::to_string(result.grad_norm) + "); NonFinite::skip_step would drop the step instead");
-      if (!std::isfinite(result.grad_norm) && options_.non_finite == NonFinite::skip_step) {
-        (this->*steps_->clear_gradients)();
-        micro_ = 0;
+                     std::to_string(result.grad_norm) +
+                     "); the window's gradients were dropped, so the next step() starts a clean window "
+                     "(NonFinite::skip_step would drop it without throwing)");
+      }
+      if (!finite && options_.non_finite == NonFinite::skip_step) {
+        drop_window();
         ++skipped_;
         result.skipped = true;
         result.step = step_;
         scope.leave();
         return result;
       }
-      if (options_.max_grad_norm > 0.0f && std::isfinite(result.grad_norm))  // torch's clip_grad_norm_ rule
+      if (options_.max_grad_norm > 0.0f && finite)  // torch's clip_grad_norm_ rule
         result.clip_coefficient = static_cast<float>(std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6)));
     }
     ++step_;
@@ -280,8 +284,7 @@ class DataParallel {
       (this->*steps_->params_out)(scope, b);
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
-    (this->*steps_->clear_gradients)();
-    micro_ = 0;
+    drop_window();
     result.updated = true;
     result.step = step_;
     scope.leave();
@@ -303,10 +306,15 @@ class DataParallel {
   bool all_ranks_have_batch(Batch mine) {
     const std::uint64_t taken = (step_ + skipped_) * static_cast<std::uint64_t>(options_.accumulation_steps) +
                                 static_cast<std::uint64_t>(micro_);
-    const std::vector<std::uint64_t> all = all_gather_words({mine == Batch::exhausted ? 1u : 0u, taken});
+    // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
+    const std::uint64_t said = mine == Batch::available ? 0u : mine == Batch::exhausted ? 1u : 2u;
+    const std::vector<std::uint64_t> all = all_gather_words({said, taken});
     bool available = true;
     for (int r = 0; r < world_; ++r) {
       const std::uint64_t* w = &all[2 * static_cast<std::size_t>(r)];
+      if (w[0] > 1)
+        detail::fail("tandem: all_ranks_have_batch: rank " + std::to_string(r) +
+                     " passed a value that is not a Batch (available or exhausted)");
       if (w[1] != all[1])
         detail::fail("tandem: all_ranks_have_batch: rank 0 has taken " + std::to_string(all[1]) +
                      " micro-steps but rank " + std::to_string(r) + " has taken " + std::to_string(w[1]) +
@@ -322,7 +330,7 @@ class DataParallel {
   /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream.
   TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     if (values.empty()) return;
-    Buffer<double> staging = backend_.template allocate<double>(values.size());
+    Buffer<double> staging = detail::allocate_named<double>(backend_, values.size(), "all_reduce_host's staging");
     backend_.copy(staging.data(), values.data(), values.size_bytes(), work_stream());
     comm_.all_reduce(staging.data(), staging.data(), values.size(), DType::fp64, op, work_stream());
     backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
@@ -363,7 +371,9 @@ class DataParallel {
 
   /// Restores the training state from a checkpoint written by save_checkpoint, at any world size and under
   /// any policy: the tensors (names, sizes, dtypes) and the optimizer must match. Collective. Every rank reads
-  /// and verifies the file before anything is changed; if any rank fails, every rank throws and nothing changed.
+  /// and verifies the file before anything is changed; if any rank fails, or the ranks read different checkpoints,
+  /// every rank throws and nothing changed. The accumulation window starts clean (no gradient of a half-finished
+  /// window survives).
   /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
   TANDEM_COLD void load_checkpoint(const std::string& path) {
     std::string problem;
@@ -377,6 +387,14 @@ class DataParallel {
       problem = e.what();
     }
     all_ranks_succeed(problem);
+    // Every rank must restore the same state: the same file's contents (or a copy of it), hence the same step.
+    const std::vector<std::uint64_t> read = all_gather_words({c.step, c.content_id});
+    for (int r = 1; r < world_; ++r)
+      if (read[2 * static_cast<std::size_t>(r)] != read[0] || read[2 * static_cast<std::size_t>(r) + 1] != read[1])
+        detail::fail("tandem: load_checkpoint: ranks 0 and " + std::to_string(r) +
+                     " read different checkpoints (steps " + std::to_string(read[0]) + " and " +
+                     std::to_string(read[2 * static_cast<std::size_t>(r)]) +
+                     "); every rank must load the same one. Nothing was changed");
     StreamScope scope(*this, Exit::leave);
     // The copies read `c` as late as when they run on the work stream (the stream-faithful backend's rule), so `c`
     // must outlive them: the synchronize below.
@@ -1080,16 +1098,21 @@ class DataParallel {
               "incomplete";
   }
 
+  /// The window's gradients are consumed (or dropped): the next micro-step starts a window, adding into zero.
+  void drop_window() {
+    (this->*steps_->clear_gradients)();
+    micro_ = 0;
+  }
+
   /// Starts a clean accumulation window (load_checkpoint, discard_gradients): no micro-step taken, no bucket announced,
   /// open or holding a gradient slot, and every gradient buffer zero.
   void reset_window() {
-    micro_ = 0;
+    drop_window();
     std::fill(ready_.begin(), ready_.end(), 0);
     std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
     next_bucket_ = 0;
     slots_.clear();
     broken_.clear();
-    (this->*steps_->clear_gradients)();
     if (state_.grad_slots() != 0) backend_.zero(state_.grad_slots_data(), state_.grad_slots_bytes(), work_stream());
     for (std::size_t k = 0; k < slot_events_.size(); ++k) backend_.record(slot_events_[k], work_stream());
   }
@@ -1157,11 +1180,16 @@ class DataParallel {
     pdtype_ = layout_[0].dtype;
     psize_ = dtype_size(pdtype_);
     plan_ = detail::plan_for(layout_, options_, world_);
-    allocate();
-    build_segments();
     ready_.assign(layout_.size(), 0);
     bucket_ready_.assign(plan_.num_buckets(), 0);
-    (this->*steps_->construct)(scope);
+    try {  // a rank that cannot allocate says so on every rank, so that none waits for it in a collective
+      allocate();
+      build_segments();
+      (this->*steps_->construct)(scope);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    all_ranks_succeed(problem);
     scope.leave();
   }
 

@@ -57,9 +57,12 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
   if (options.accumulation_steps < 1)
     fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options.accumulation_steps) +
          "; it must be at least 1");
-  if (!(options.max_grad_norm >= 0.0f) || !std::isfinite(options.max_grad_norm))
+  if (!finite(options.max_grad_norm) || options.max_grad_norm < 0.0f)
     fail("tandem: DataParallelOptions::max_grad_norm is " + std::to_string(options.max_grad_norm) +
          "; it must be finite and >= 0 (0 disables clipping)");
+  if (const auto n = static_cast<unsigned>(options.non_finite); n > static_cast<unsigned>(NonFinite::throw_error))
+    fail("tandem: DataParallelOptions::non_finite is " + std::to_string(n) +
+         ", not a NonFinite (ignore, skip_step or throw_error)");
   if (options.bucket_cap_bytes < sizeof(float) || options.first_bucket_cap_bytes < sizeof(float))
     fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
   if (options.gradient_buffers < 1)

@@ -42,11 +42,12 @@ struct AdamW {
     auto bad = [](const char* what, float value, const char* rule) {
       detail::fail(std::string("tandem: AdamWOptions::") + what + " is " + std::to_string(value) + "; " + rule);
     };
-    if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) bad("lr", o.lr, "it must be finite and >= 0");
-    if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f)) bad("beta1", o.beta1, "it must be in [0, 1)");
-    if (!(o.beta2 >= 0.0f && o.beta2 < 1.0f)) bad("beta2", o.beta2, "it must be in [0, 1)");
-    if (!(o.eps > 0.0f) || !std::isfinite(o.eps)) bad("eps", o.eps, "it must be finite and > 0");
-    if (!(o.weight_decay >= 0.0f) || !std::isfinite(o.weight_decay))
+    // finite() first: it holds under -ffinite-math-only, where a comparison with a NaN may be folded away
+    if (!finite(o.lr) || o.lr < 0.0f) bad("lr", o.lr, "it must be finite and >= 0");
+    if (!finite(o.beta1) || o.beta1 < 0.0f || o.beta1 >= 1.0f) bad("beta1", o.beta1, "it must be in [0, 1)");
+    if (!finite(o.beta2) || o.beta2 < 0.0f || o.beta2 >= 1.0f) bad("beta2", o.beta2, "it must be in [0, 1)");
+    if (!finite(o.eps) || o.eps <= 0.0f) bad("eps", o.eps, "it must be finite and > 0");
+    if (!finite(o.weight_decay) || o.weight_decay < 0.0f)
       bad("weight_decay", o.weight_decay, "it must be finite and >= 0");
   }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tandem/backend/allocate.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
@@ -115,8 +116,8 @@ class ResidentPackTables {
       items += 2 * t.size();
       tensors += t.tensors.size();
     }
-    items_ = backend.template allocate<PackItem>(items);
-    tensors_ = backend.template allocate<PackTensor>(tensors);
+    items_ = detail::allocate_named<PackItem>(backend, items, "the pack tables");
+    tensors_ = detail::allocate_named<PackTensor>(backend, tensors, "the pack tables");
     std::size_t i = 0, k = 0;
     for (const PackTable& t : tables) {
       PackTableView v;

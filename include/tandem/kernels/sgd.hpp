@@ -41,11 +41,16 @@ struct SGD {
     auto bad = [](const char* what, float value, const char* rule) {
       detail::fail(std::string("tandem: SGDOptions::") + what + " is " + std::to_string(value) + "; " + rule);
     };
-    if (!(o.lr >= 0.0f) || !std::isfinite(o.lr)) bad("lr", o.lr, "it must be finite and >= 0");
-    if (!(o.momentum >= 0.0f) || !std::isfinite(o.momentum)) bad("momentum", o.momentum, "it must be finite and >= 0");
-    if (!(o.dampening >= 0.0f && o.dampening <= 1.0f)) bad("dampening", o.dampening, "it must be in [0, 1]");
-    if (!(o.weight_decay >= 0.0f) || !std::isfinite(o.weight_decay))
+    // finite() first: it holds under -ffinite-math-only, where a comparison with a NaN may be folded away
+    if (!finite(o.lr) || o.lr < 0.0f) bad("lr", o.lr, "it must be finite and >= 0");
+    if (!finite(o.momentum) || o.momentum < 0.0f) bad("momentum", o.momentum, "it must be finite and >= 0");
+    if (!finite(o.dampening) || o.dampening < 0.0f || o.dampening > 1.0f)
+      bad("dampening", o.dampening, "it must be in [0, 1]");
+    if (!finite(o.weight_decay) || o.weight_decay < 0.0f)
       bad("weight_decay", o.weight_decay, "it must be finite and >= 0");
+    if (o.nesterov != Nesterov::off && o.nesterov != Nesterov::on)
+      detail::fail("tandem: SGDOptions::nesterov is " + std::to_string(static_cast<int>(o.nesterov)) +
+                   ", not a Nesterov (off or on)");
     if (o.nesterov == Nesterov::on && (o.momentum <= 0.0f || o.dampening != 0.0f))
       detail::fail("tandem: SGDOptions::nesterov needs momentum > 0 and dampening == 0 (as in PyTorch)");
   }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/backend/allocate.hpp"
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
@@ -29,7 +30,7 @@ template <Communicator Comm, class Backend>
 TANDEM_COLD std::vector<std::uint64_t> all_gather_words(Comm& comm, Backend& backend,
                                                         const std::vector<std::uint64_t>& mine) {
   const std::size_t words = mine.size(), ranks = static_cast<std::size_t>(comm.size());
-  auto staging = backend.template allocate<std::uint64_t>(words * (ranks + 1));
+  auto staging = allocate_named<std::uint64_t>(backend, words * (ranks + 1), "the agreement's words");
   backend.copy(staging.data(), mine.data(), words * sizeof(std::uint64_t), backend.stream());
   comm.all_gather(staging.data(), staging.data() + words, words, DType::fp64, backend.stream());
   std::vector<std::uint64_t> all(words * ranks);

@@ -34,7 +34,7 @@ class CheckpointGather {
                                DType param_dtype, int rank)
       : backend_(backend), plan_(plan), state_(state), pdtype_(param_dtype), rank_(rank) {
     const std::size_t full = plan.total_size(), psize = dtype_size(param_dtype);
-    staging_ = backend.template allocate<unsigned char>(full * std::max(psize, sizeof(float)));
+    staging_ = allocate_named<unsigned char>(backend, full * std::max(psize, sizeof(float)), "the checkpoint's gather buffer");
     if (state.master() != nullptr) masters_.resize(full * sizeof(float));
     if (state.param_flat() == nullptr || rank == 0) params_.resize(full * psize);
     states_.assign(state.state_count(), std::vector<unsigned char>(full * sizeof(float)));

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "tandem/backend/allocate.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/stream.hpp"
 #include "tandem/policy/policy.hpp"
@@ -45,22 +46,25 @@ class TrainingState {
         state_count_(state_count),
         shard_dtype_(need.grad_shard_dtype),
         reduce_dtype_(reduce_dtype) {
-    auto zeroed = [&](auto& buffer, std::size_t n) {
+    auto allocate = [&](auto& buffer, std::size_t n, const char* what) {
       using T = std::remove_pointer_t<decltype(buffer.data())>;
-      if (n == 0) return;
-      buffer = backend.template allocate<T>(n);
-      backend.zero(buffer.data(), buffer.bytes(), stream);
+      if (n != 0) buffer = allocate_named<T>(backend, n, what);
     };
-    zeroed(param_flat_, need.param_flat * psize_);
-    zeroed(param_shard_, need.param_shard * psize_);
-    zeroed(gather_, need.param_slots * need.param_slot_size * psize_);
-    if (need.master != 0) master_ = backend.template allocate<float>(need.master);
-    for (std::size_t k = 0; k < state_count; ++k) zeroed(state_[k], need.state);
-    zeroed(grad_flat_, need.grad_flat);
-    zeroed(staging_, need.staging);
-    zeroed(grad_slots_, need.grad_slots * need.grad_slot_size);
-    zeroed(grad_shard_, need.grad_shard * dtype_size(shard_dtype_));
-    zeroed(reduce_, need.reduce_buffer * dtype_size(reduce_dtype));
+    auto zeroed = [&](auto& buffer, std::size_t n, const char* what) {
+      allocate(buffer, n, what);
+      if (n != 0) backend.zero(buffer.data(), buffer.bytes(), stream);
+    };
+    zeroed(param_flat_, need.param_flat * psize_, "the parameters");
+    zeroed(param_shard_, need.param_shard * psize_, "the parameter shard");
+    zeroed(gather_, need.param_slots * need.param_slot_size * psize_, "the parameter gather buffers");
+    allocate(master_, need.master, "the fp32 master weights");
+    zeroed(state_[0], state_count > 0 ? need.state : 0, "the optimizer state");
+    zeroed(state_[1], state_count > 1 ? need.state : 0, "the optimizer state");
+    zeroed(grad_flat_, need.grad_flat, "the gradients");
+    zeroed(staging_, need.staging, "the gradient staging bucket");
+    zeroed(grad_slots_, need.grad_slots * need.grad_slot_size, "the gradient bucket buffers");
+    zeroed(grad_shard_, need.grad_shard * dtype_size(shard_dtype_), "the reduced-gradient shard");
+    zeroed(reduce_, need.reduce_buffer * dtype_size(reduce_dtype), "the reduce-dtype bucket");
   }
 
   /// What was allocated, in Buffers' terms.
@@ -110,7 +114,7 @@ class TrainingState {
 
   /// The gradient norm's scratch: `n` doubles, allocated at the first use of that size.
   double* norm_terms(const Backend& backend, std::size_t n) {
-    if (norm_.size() != n) norm_ = backend.template allocate<double>(n);
+    if (norm_.size() != n) norm_ = allocate_named<double>(backend, n, "the gradient norm's terms");
     return norm_.data();
   }
 
