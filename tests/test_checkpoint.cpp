@@ -4,10 +4,12 @@
 // temporary files (unique per writer, removed when a save fails), the limit on names, ranks loading different files.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <string>
@@ -67,13 +69,27 @@ Params train(int world, int first, int last, Action action, const std::string& p
   return out;
 }
 
-// The temporary files a save to `path` may leave beside it.
+// The temporary files a save to `path` may leave: beside a file, or inside a checkpoint directory.
 std::vector<std::string> temporaries_of(const std::string& path) {
   const std::filesystem::path p(path);
   std::vector<std::string> found;
+  if (std::filesystem::is_directory(p)) {
+    for (const auto& entry : std::filesystem::directory_iterator(p))
+      if (entry.path().filename().string().find(".tmp") != std::string::npos) found.push_back(entry.path().string());
+    return found;
+  }
   for (const auto& entry : std::filesystem::directory_iterator(p.parent_path()))
     if (entry.path().filename().string().starts_with(p.filename().string() + ".tmp"))
       found.push_back(entry.path().string());
+  return found;
+}
+
+// The shard files of the checkpoint in directory `dir`, sorted.
+std::vector<std::string> shard_files(const std::string& dir) {
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") found.push_back(entry.path().string());
+  std::sort(found.begin(), found.end());
   return found;
 }
 
@@ -116,7 +132,7 @@ TEST_CASE_TEMPLATE("resuming from a checkpoint is bit-identical to an uninterrup
   const Params bf16 = train<P, tandem::BFloat16>(2, 0, 12, Action::none, path);
   train<P, tandem::BFloat16>(2, 0, 6, Action::save, path);
   CHECK(train<P, tandem::BFloat16>(2, 6, 12, Action::load, path) == bf16);
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("save at 4 ranks, load at 2 and 3 under other policies: the state is restored bit for bit") {
@@ -143,14 +159,186 @@ TEST_CASE("save at 4 ranks, load at 2 and 3 under other policies: the state is r
     const Params all_along = train<tandem::Replicated>(world, 0, 20, Action::none, path);
     CHECK(max_relative_error(continued, all_along) <= 1e-5);
   }
-  std::remove(path.c_str());
-  std::remove(again.c_str());
+  std::filesystem::remove_all(path);
+  std::filesystem::remove_all(again);
 }
 
-TEST_CASE("a truncated or bit-flipped checkpoint fails clearly on every rank; the previous one still loads") {
+TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads after it") {
   const std::string good = temp_path("good"), bad = temp_path("bad");
   train<tandem::Replicated>(2, 0, 3, Action::save, good);
-  const std::vector<char> bytes = read_file(good);
+  const std::vector<std::string> shards = shard_files(good);
+  REQUIRE(shards.size() == 2);
+  struct Case {
+    std::string what;
+    std::function<void(const std::string& dir)> damage;
+    std::string want;
+    bool in_restore;  // found while the state is restored (a checksum), not before anything changed
+  };
+  auto edit = [](const std::string& file, auto&& f) {
+    std::vector<char> bytes = read_file(file);
+    f(bytes);
+    write_file(file, bytes);
+  };
+  auto shard = [&](const std::string& dir, std::size_t k) {
+    return dir + "/" + std::filesystem::path(shards[k]).filename().string();
+  };
+  const std::vector<Case> cases = {
+      {"a shard cut short", [&](const std::string& d) { edit(shard(d, 0), [](auto& b) { b.resize(b.size() / 2); }); },
+       "bytes long; the checkpoint's manifest says", false},
+      {"a shard missing", [&](const std::string& d) { std::filesystem::remove(shard(d, 1)); }, "cannot open", false},
+      {"a shard's header damaged", [&](const std::string& d) { edit(shard(d, 1), [](auto& b) { b[8] = 'X'; }); },
+       "does not start with '{'", false},
+      {"a bit flipped in a shard's data",
+       [&](const std::string& d) { edit(shard(d, 1), [](auto& b) { b[b.size() - 5] ^= 0x10; }); },
+       "does not match its data", true},
+      {"no manifest", [&](const std::string& d) { std::filesystem::remove(d + "/manifest.json"); },
+       "has no manifest.json", false},
+      {"a manifest that is not JSON",
+       [&](const std::string& d) { edit(d + "/manifest.json", [](auto& b) { b[b.size() / 2] = '}'; }); },
+       "is not valid JSON", false},
+      {"a manifest of a later format",
+       [&](const std::string& d) {
+         edit(d + "/manifest.json", [](auto& b) {
+           const std::string text(b.begin(), b.end());
+           const std::size_t at = text.find("\"version\": 2");
+           b[at + 11] = '3';
+         });
+       },
+       "has format version 3", false},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    std::filesystem::remove_all(bad);
+    std::filesystem::copy(good, bad);
+    c.damage(bad);
+    std::vector<std::string> messages(3), after(3);
+    tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 1);
+      test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
+      const auto before = model.params();
+      try {
+        dp.load_checkpoint(bad);
+      } catch (const tandem::error& e) {
+        messages[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+      if (!c.in_restore) CHECK(model.params() == before);  // nothing changed
+      try {
+        dp.step();
+      } catch (const tandem::error& e) {
+        after[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+      dp.load_checkpoint(good);  // a good checkpoint loads, and training goes on
+      CHECK(dp.step_count() == 3);
+      dp.step();
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+      CAPTURE(messages[r]);
+      CHECK(messages[r].find(c.want) != std::string::npos);
+      CHECK((after[r].find("load a checkpoint that verifies") != std::string::npos) == c.in_restore);
+    }
+  }
+  std::filesystem::remove_all(good);
+  std::filesystem::remove_all(bad);
+}
+
+TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import makes them the initial parameters") {
+  const std::string dir = temp_path("tools"), out = temp_path("consolidated") + ".safetensors",
+                    all = temp_path("consolidated_all") + ".safetensors", imported = temp_path("imported");
+  const Params saved = train<tandem::GradientSharded>(3, 0, 4, Action::save, dir);
+  const tandem::CheckpointSummary summary = tandem::verify_checkpoint(dir);
+  CHECK(summary.manifest.step == 4);
+  CHECK(summary.manifest.world_size == 3);
+  CHECK(summary.manifest.policy == "GradientSharded");
+  std::uint64_t bytes = 0;
+  for (const std::string& f : shard_files(dir)) bytes += std::filesystem::file_size(f);
+  CHECK(summary.bytes == bytes);
+  // The consolidated file holds each tensor whole, named as the model's, bit for bit what training left.
+  tandem::consolidate_checkpoint(dir, out);
+  tandem::consolidate_checkpoint(dir, all, tandem::Arrays::all);
+  mlp::Mlp<float> model(dims, 5);
+  {
+    const tandem::SafetensorsFile file(out);
+    REQUIRE(file.tensors().size() == saved.size());
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      const tandem::SafetensorsFile::Tensor* t = file.find(model.tensors()[i].name);
+      REQUIRE(t != nullptr);
+      CHECK(t->shape == std::vector<std::uint64_t>{saved[i].size()});
+      std::vector<float> values(saved[i].size());
+      file.read(t->begin, values.data(), values.size() * 4);
+      CHECK(values == saved[i]);
+    }
+    const tandem::SafetensorsFile with_state(all);
+    CHECK(with_state.tensors().size() == 3 * saved.size());  // parameters and AdamW's two arrays (fp32: no masters)
+    CHECK(with_state.find("state1/" + model.tensors()[0].name) != nullptr);
+  }
+  // Imported, it is a checkpoint of the parameters alone: they load under any policy and size, the optimizer starts
+  // afresh, and training from it equals training from the same parameters set by hand.
+  tandem::import_parameters(out, imported);
+  CHECK(tandem::verify_checkpoint(imported).manifest.parameters_only);
+  Params from_import, by_hand;
+  for (bool import : {true, false}) {
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> m(dims, 99);
+      if (!import) m.params() = saved;
+      test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, m.tensors(), {.lr = 3e-3f});
+      if (import) {
+        dp.load_checkpoint(imported);
+        CHECK(dp.step_count() == 0);
+        CHECK(test::as_float(m.params()) == saved);
+      }
+      for (int step = 0; step < 2; ++step) {
+        m.forward_backward(dataset(), step * global_batch + comm.rank() * 12, 12);
+        dp.step();
+      }
+      if (comm.rank() == 0) (import ? from_import : by_hand) = test::as_float(m.params());
+    });
+  }
+  CHECK(from_import == by_hand);
+  // A model without one of the file's tensors, or with another size, is told which.
+  for (const std::string& msg : try_load(2, imported)) CHECK(msg.empty());
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> other({13, 37, 7}, 1);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, other.tensors());
+    CHECK_THROWS_WITH_AS(dp.load_checkpoint(imported), doctest::Contains("holds `"), tandem::error);
+  });
+  // verify finds a flipped bit anywhere in the data.
+  const std::string victim = shard_files(dir)[1];
+  std::vector<char> shard = read_file(victim);
+  shard[shard.size() - 100] ^= 0x01;
+  write_file(victim, shard);
+  CHECK_THROWS_WITH_AS(tandem::verify_checkpoint(dir), doctest::Contains("does not match its data"), tandem::error);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(imported);
+  std::remove(out.c_str());
+  std::remove(all.c_str());
+}
+
+TEST_CASE("a file of the earlier single-file format still loads; a damaged one fails clearly on every rank") {
+  const std::string legacy = temp_path("legacy"), bad = temp_path("legacy_bad");
+  // A state of this model written in the earlier format: the parameters of rank 0's model, zero optimizer state.
+  mlp::Mlp<float> source(dims, 17);
+  tandem::CheckpointData c;
+  c.step = 7;
+  c.state_count = 2;
+  c.optimizer = "AdamW";
+  c.saved_by_policy = "Replicated";
+  for (std::size_t i = 0; i < source.params().size(); ++i) {
+    const auto& p = source.params()[i];
+    c.tensors.push_back({source.tensors()[i].name, p.size(), tandem::DType::fp32});
+    const auto* bytes = reinterpret_cast<const unsigned char*>(p.data());
+    c.params.emplace_back(bytes, bytes + p.size() * 4);
+    c.masters.emplace_back();
+    c.states.push_back({std::vector<float>(p.size()), std::vector<float>(p.size())});
+  }
+  tandem::write_checkpoint(legacy, c);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors());
+    dp.load_checkpoint(legacy);
+    CHECK(dp.step_count() == 7);
+    CHECK(model.params() == source.params());
+  });
+  const std::vector<char> bytes = read_file(legacy);
   struct Case {
     std::vector<char> data;
     std::string want;
@@ -168,30 +356,30 @@ TEST_CASE("a truncated or bit-flipped checkpoint fails clearly on every rank; th
   std::vector<char> magic = bytes;
   magic[0] = 'X';
   cases.push_back({magic, "bad magic"});
-  for (const Case& c : cases) {
-    write_file(bad, c.data);
+  for (const Case& k : cases) {
+    write_file(bad, k.data);
     const auto messages = try_load(3, bad);
     for (const std::string& msg : messages) {
       CAPTURE(msg);
       CHECK(msg.find("is corrupt") != std::string::npos);
-      if (!c.want.empty()) CHECK(msg.find(c.want) != std::string::npos);
+      if (!k.want.empty()) CHECK(msg.find(k.want) != std::string::npos);
     }
   }
-  for (const std::string& msg : try_load(3, good)) CHECK(msg.empty());
   for (const std::string& msg : try_load(2, temp_path("missing"))) CHECK(msg.find("cannot open") != std::string::npos);
-  std::remove(good.c_str());
+  std::remove(legacy.c_str());
   std::remove(bad.c_str());
 }
 
 TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadable") {
   const std::string path = temp_path("crash");
   const Params first = train<tandem::OptimizerSharded>(2, 0, 4, Action::save, path);
+  const std::vector<std::string> first_files = shard_files(path);
   std::vector<std::string> messages(2);
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 5);
     test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(),
                                                                    {.lr = 3e-3f, .weight_decay = 0.05f});
-    if (comm.rank() == 0) tandem::detail::checkpoint_fault_after_bytes() = 1000;  // rank 0 writes
+    if (comm.rank() == 1) tandem::detail::checkpoint_fault_after_bytes() = 1000;  // rank 1's shard
     try {
       dp.save_checkpoint(path);
     } catch (const tandem::error& e) {
@@ -199,12 +387,16 @@ TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadab
     }
     tandem::detail::checkpoint_fault_after_bytes() = 0;
   });
-  CHECK(messages[0].find("simulated crash") != std::string::npos);
-  CHECK(messages[1].find("rank 0 failed") != std::string::npos);
+  CHECK(messages[1].find("simulated crash") != std::string::npos);
+  CHECK(messages[0].find("rank 1 failed") != std::string::npos);
   CHECK(train<tandem::OptimizerSharded>(2, 4, 4, Action::load, path) == first);
   CHECK(temporaries_of(path).size() == 1);  // the crash left its partial file, as a real one would
-  for (const std::string& t : temporaries_of(path)) std::remove(t.c_str());
-  std::remove(path.c_str());
+  // A save that completes next to it replaces the checkpoint, and removes the files only the previous one named.
+  const Params second = train<tandem::OptimizerSharded>(2, 0, 5, Action::save, path);
+  CHECK(train<tandem::OptimizerSharded>(2, 5, 5, Action::load, path) == second);
+  for (const std::string& f : first_files) CHECK_FALSE(std::filesystem::exists(f));
+  CHECK(shard_files(path).size() == 2);
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("a save whose rename fails removes its temporary file; saves to one path from many threads do not mix") {
@@ -237,29 +429,31 @@ TEST_CASE("a save whose rename fails removes its temporary file; saves to one pa
   std::remove(path.c_str());
 }
 
-TEST_CASE("names are limited alike on save and load: 4096 bytes round-trip, 4097 fail to save on every rank") {
+TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only what it reads (4096 bytes)") {
+  const std::string path = temp_path("long_name");
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    std::vector<float> w(5, 1.0f), g(5, 0.5f);
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(
+        comm, {{std::string(5000, 'n'), w.data(), g.data(), w.size()}}, {.lr = 0.1f});
+    dp.step();
+    dp.save_checkpoint(path);
+    dp.load_checkpoint(path);
+    CHECK(dp.step_count() == 1);
+  });
+  std::filesystem::remove_all(path);
   for (std::size_t length : {tandem::checkpoint_max_text, tandem::checkpoint_max_text + 1}) {
     CAPTURE(length);
-    const std::string path = temp_path("long_name");
-    std::vector<std::string> messages(2);
-    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
-      std::vector<float> w(5, 1.0f), g(5, 0.5f);
-      test::DataParallel<tandem::Replicated, tandem::SGD> dp(
-          comm, {{std::string(length, 'n'), w.data(), g.data(), w.size()}}, {.lr = 0.1f});
-      dp.step();
-      try {
-        dp.save_checkpoint(path);
-        dp.load_checkpoint(path);
-        CHECK(dp.step_count() == 1);
-      } catch (const tandem::error& e) {
-        messages[static_cast<std::size_t>(comm.rank())] = e.what();
-      }
-    });
+    tandem::CheckpointData c;
+    c.tensors = {{std::string(length, 'n'), 1, tandem::DType::fp32}};
+    c.params = {std::vector<unsigned char>(4, 0)};
+    c.masters = {{}};
+    c.states = {{}};
     if (length == tandem::checkpoint_max_text) {
-      CHECK(messages == std::vector<std::string>(2));
+      tandem::write_checkpoint(path, c);
+      CHECK(tandem::read_checkpoint(path).tensors[0].name.size() == length);
     } else {
-      CHECK(messages[0].find("names of at most 4096 bytes") != std::string::npos);
-      CHECK(messages[1].find("rank 0 failed") != std::string::npos);
+      CHECK_THROWS_WITH_AS(tandem::write_checkpoint(path, c), doctest::Contains("names of at most 4096 bytes"),
+                           tandem::error);
     }
     CHECK(temporaries_of(path).empty());
     std::remove(path.c_str());
@@ -274,8 +468,9 @@ TEST_CASE("ranks that load different checkpoints all throw, and nothing changes"
   std::vector<std::uint64_t> steps(2);
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 5);
-    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
-                                                             {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(
+        comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+        {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
     const auto before = model.params();
     try {
       dp.load_checkpoint(comm.rank() == 0 ? early : late);
@@ -285,10 +480,11 @@ TEST_CASE("ranks that load different checkpoints all throw, and nothing changes"
     steps[static_cast<std::size_t>(comm.rank())] = dp.step_count();
     CHECK(model.params() == before);
   });
-  for (const std::string& m : messages) CHECK(m.find("read different checkpoints (steps 2 and 3)") != std::string::npos);
+  for (const std::string& m : messages)
+    CHECK(m.find("read different checkpoints (steps 2 and 3)") != std::string::npos);
   CHECK(steps == std::vector<std::uint64_t>{0, 0});
-  std::remove(early.c_str());
-  std::remove(late.c_str());
+  std::filesystem::remove_all(early);
+  std::filesystem::remove_all(late);
 }
 
 TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumulation window, are rejected") {
@@ -318,7 +514,7 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
     CHECK(msg.find("holds AdamW state (2 arrays) but this DataParallel uses SGD (1)") != std::string::npos);
     CHECK(msg.find("inside an accumulation window") != std::string::npos);
   }
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("empty tensors and empty state arrays round-trip (found by fuzzing: memcpy from a null pointer)") {

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -405,7 +406,7 @@ TEST_CASE("DataParallel over DeviceGroup: accumulation, and a checkpoint saved a
     CAPTURE(m);
     for (const test::Params& loaded : load_device(m, path)) CHECK(test::bitwise_equal(loaded, gpu.first));
   }
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("CUDA launch of more items than the grid-stride cap reaches every item exactly once") {

@@ -2,12 +2,14 @@
 // The parts DataParallel is made of (front/detail/), each alone, without a DataParallel: TrainingState allocates what
 // a policy's buffer rule asks for and nothing else, zeroed; BucketKernels launches the bodies of the dtypes it was made
 // for (checked against plain loops over the same values); the configuration words tell every difference between ranks
-// apart; the user's buffers are validated; checkpoint I/O gathers each policy's owned space to rank 0 and gives each
-// rank back what it owns, at world sizes 1-3.
+// apart; the user's buffers are validated; in checkpoint I/O each rank writes its shard of every array and gets
+// rank back what it keeps, at world sizes 1-3, through valid safetensors files.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -321,16 +323,32 @@ void for_each_element(const tandem::Plan& plan, int rank, F&& f) {
   }
 }
 
-// Checkpoint I/O under policy P at `world` ranks: distinct values in every owned array gathered to rank 0 give every
-// tensor its values; restored at another world size under policy Q, each rank holds exactly its owned part of them.
+// Checkpoint I/O: distinct values in every array of every tensor, saved at `world` ranks under policy P (each rank
+// writes its shard file; the manifest names them), restored at `restore_world` ranks under policy Q: each rank holds
+// exactly what it keeps of them (the full parameters or its shard, its owned master weights and state), and the
+// files are valid safetensors whose tensors are the saved slices.
 template <class P, class Q>
 void check_checkpoint_io(int world, int restore_world, DType dtype) {
-  const std::vector<tandem::TensorSpec> s = specs(dtype);
+  std::vector<tandem::TensorSpec> s = specs(dtype);
+  s.insert(s.begin() + 2, {"empty", 0, dtype});  // zero-size tensors hold nothing anywhere
   const tandem::DataParallelOptions options{.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 512};
-  const std::size_t psize = tandem::dtype_size(dtype);
-  // Element e of tensor i: parameter bits, master and state values derived from (i, e).
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("tandem_test_parts_" + std::to_string(::getpid()) + "_" + std::to_string(world)))
+                              .string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  // Element e of tensor i: the parameter and each array's values derived from (i, e).
   auto value = [](std::size_t i, std::size_t e, int array) { return static_cast<float>(1000 * i + e) + 0.25f * array; };
-  tandem::CheckpointData saved;
+  tandem::CheckpointManifest manifest;
+  manifest.step = 5;
+  manifest.world_size = static_cast<std::uint32_t>(world);
+  manifest.optimizer = "AdamW";
+  manifest.state_count = 2;
+  manifest.param_dtype = dtype;
+  manifest.bucket_cap_bytes = options.bucket_cap_bytes;
+  manifest.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
+  manifest.tensors = s;
+  manifest.files.resize(static_cast<std::size_t>(world));
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     const HostBackend be;
     const tandem::Plan plan = tandem::bucket_plan(s, world, options);
@@ -350,52 +368,60 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
       state.state(0)[o] = value(i, e, 2);
       state.state(1)[o] = value(i, e, 3);
     });
-    tandem::detail::CheckpointGather<P, HostBackend> gather(be, plan, state, dtype, comm.rank());
-    gather.gather(comm);
-    tandem::CheckpointData meta;
-    meta.step = 5;
-    if (comm.rank() == 0) saved = gather.data(layout, meta);
+    const std::string name = "rank" + std::to_string(comm.rank()) + ".safetensors";
+    const tandem::SafetensorsSummary summary =
+        tandem::detail::write_shard<P>(be, plan, layout, state, dtype, comm.rank(), world, dir + "/" + name);
+    manifest.files[static_cast<std::size_t>(comm.rank())] = {name, summary.bytes, summary.header_crc};
   });
-  REQUIRE(saved.params.size() == s.size());
-  CHECK(saved.step == 5);
-  CHECK(saved.param_dtype == dtype);
-  for (std::size_t i = 0; i < s.size(); ++i)
-    for (std::size_t e = 0; e < s[i].numel; ++e) {
-      float w = 0.0f, expected = 0.0f;
-      tandem::visit_param_dtype(dtype, [&](auto t) {
-        using T = decltype(t);
-        T x;
-        std::memcpy(&x, saved.params[i].data() + e * psize, psize);
-        w = tandem::convert<float>(x);
-        expected = tandem::convert<float>(tandem::convert<T>(value(i, e, 0)));
-      });
-      REQUIRE(w == expected);
-      if (dtype != DType::fp32) REQUIRE(saved.masters[i][e] == value(i, e, 1));
-      REQUIRE(saved.states[i][0][e] == value(i, e, 2));
-      REQUIRE(saved.states[i][1][e] == value(i, e, 3));
+  tandem::detail::commit_manifest(dir, manifest);
+  // Each file is a safetensors file of this rank's slices, every one of them named and checksummed.
+  std::size_t slices = 0;
+  for (const auto& f : manifest.files) {
+    const tandem::SafetensorsFile file(dir + "/" + f.name);
+    CHECK(file.size() == f.bytes);
+    for (const auto& t : file.tensors()) {
+      std::uint32_t crc = 0;
+      CHECK(file.recorded_crc(t.name, crc));
+      std::vector<unsigned char> data(t.end - t.begin);
+      file.read(t.begin, data.data(), data.size());
+      CHECK(tandem::detail::crc32c(data.data(), data.size()) == crc);
+      ++slices;
     }
+  }
+  CHECK(slices >= (s.size() - 1) * (dtype == DType::fp32 ? 3 : 4));  // every tensor's arrays, in one slice or more
   tandem::LocalGroup(restore_world).run([&](tandem::LocalComm& comm) {
     const HostBackend be;
     const tandem::Plan plan = tandem::bucket_plan(s, restore_world, options);
     const tandem::Layout layout(s);
     const auto in = tandem::detail::buffer_inputs(plan, dtype, tandem::Storage::owned, options);
     const tandem::detail::TrainingState<HostBackend> state(be, tandem::buffers_for<Q>(in), dtype, DType::fp32, 2, {});
-    tandem::detail::restore_checkpoint<Q>(be, plan, layout, comm.rank(), state, saved);
+    tandem::detail::ShardedCheckpoint ckpt(dir, manifest, layout);
+    tandem::detail::restore_sharded<Q>(be, plan, layout, comm.rank(), state, ckpt, tandem::detail::Restore::check);
+    tandem::detail::restore_sharded<Q>(be, plan, layout, comm.rank(), state, ckpt, tandem::detail::Restore::copy);
     for_each_element<Q>(plan, comm.rank(), [&](std::size_t i, std::size_t e, std::size_t f, std::size_t o) {
-      const unsigned char* param = saved.params[i].data() + e * psize;
-      if (state.param_flat() != nullptr) REQUIRE(std::memcmp(state.param_flat() + f * psize, param, psize) == 0);
+      float expected = 0.0f, param = 0.0f, shard = 0.0f;
+      tandem::visit_param_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        expected = tandem::convert<float>(tandem::convert<T>(value(i, e, 0)));
+        if (state.param_flat() != nullptr) param = tandem::convert<float>(reinterpret_cast<T*>(state.param_flat())[f]);
+        if (o != not_owned && state.param_shard() != nullptr)
+          shard = tandem::convert<float>(reinterpret_cast<T*>(state.param_shard())[o]);
+      });
+      if (state.param_flat() != nullptr) REQUIRE(param == expected);
       if (o == not_owned) return;
-      if (state.param_shard() != nullptr) REQUIRE(std::memcmp(state.param_shard() + o * psize, param, psize) == 0);
+      if (state.param_shard() != nullptr) REQUIRE(shard == expected);
       if (state.master() != nullptr) REQUIRE(state.master()[o] == value(i, e, 1));
       REQUIRE(state.state(0)[o] == value(i, e, 2));
       REQUIRE(state.state(1)[o] == value(i, e, 3));
     });
   });
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
 
-TEST_CASE("checkpoint I/O gathers each policy's owned space and gives each rank back what it owns") {
+TEST_CASE(
+    "checkpoint I/O: each rank writes its shard, and each rank reads back what it keeps, at any size and policy") {
   for (int world = 1; world <= 3; ++world)
     for (int restore = 1; restore <= 3; ++restore) {
       CAPTURE(world);

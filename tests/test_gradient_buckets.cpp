@@ -228,7 +228,7 @@ TEST_CASE("a GradientBucket destroyed by an exception stops the micro-step until
       CHECK(std::memcmp(dp.template param_view<float>(i), fresh.template param_view<float>(i),
                         specs[i].numel * sizeof(float)) == 0);
   });
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("grad_view(i) is bucket.grad(i) under the policies that keep full-size gradients") {
@@ -309,7 +309,7 @@ TEST_CASE_TEMPLATE("load_checkpoint and discard_gradients inside a window start 
   const Params clean = continue_from<Policy>(path, 3, false, false);
   CHECK(test::bitwise_equal(continue_from<Policy>(path, 3, true, false), clean));
   CHECK(test::bitwise_equal(continue_from<Policy>(path, 3, true, true), clean));
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("a bucket whose reduction fails to issue ends the micro-step; discard_gradients goes on") {

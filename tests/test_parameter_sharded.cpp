@@ -304,7 +304,7 @@ TEST_CASE("ParameterSharded checkpoints restore bit for bit under any policy and
   // Saved by another policy, restored under ParameterSharded.
   run(tandem::Replicated{}, 3, 0, 3, true);
   CHECK(test::bitwise_equal(run(tandem::ParameterSharded{}, 3, 3, steps, false), uninterrupted));
-  std::remove(path.c_str());
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("ParameterSharded's memory: a shard of everything, plus the gather and gradient buffers") {

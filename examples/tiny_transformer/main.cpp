@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <string>
 
@@ -79,6 +80,7 @@ void print_row(const Row& row, double baseline_seconds) {
 void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny::TrainConfig& cfg) {
   std::ofstream out(path);
   if (!out) throw std::invalid_argument("cannot write --csv file '" + path + "'");
+  out << std::fixed << std::setprecision(9);  // losses compared within 1e-5 relative need more than 6 digits
   out << "policy,ranks,steps,global_batch,accumulation,precision,reduce_dtype,seconds,tokens_per_second,final_loss,"
          "eval_loss,eval_accuracy,tandem_bytes_per_rank,model_state_bytes,buffer_bytes\n";
   for (const Row& row : rows)
@@ -163,6 +165,19 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table");
+  auto* schedule_opt = app.add_option("--schedule-steps", cfg.schedule_steps,
+                                      "the learning-rate schedule's length (warm-up, cosine decay, then its floor); "
+                                      "default 600 whatever --steps is (with --epochs: their steps), so that a run "
+                                      "stopped and resumed follows the schedule of one that never stopped")
+                           ->check(CLI::PositiveNumber);
+  auto* save_opt = app.add_option("--save", cfg.save_dir, "save a checkpoint (a directory) at the end");
+  app.add_option("--save-every", cfg.save_every, "with --save: also save after every K-th step")
+      ->check(CLI::PositiveNumber)
+      ->needs(save_opt);
+  auto* resume_opt = app.add_option("--resume", cfg.resume_dir,
+                                    "start from the checkpoint in this directory (at any --ranks and --policy) and "
+                                    "train on from its step to --steps")
+                         ->check(CLI::ExistingDirectory);
   app.add_option("--csv", csv_path, "also write the results to this CSV file");
   app.add_option("--blas-core", blas_core,
                  "OpenBLAS kernels: keep (those OpenBLAS chose), auto (where those are generic for this CPU, better "
@@ -254,6 +269,9 @@ int main(int argc, char** argv) {
       if (per_epoch == 0) throw std::invalid_argument("--batch is larger than the training set");
       cfg.steps = int(per_epoch * std::size_t(epochs));
     }
+    if (schedule_opt->count() == 0) cfg.schedule_steps = epochs > 0 ? cfg.steps : 600;
+    if (compare && (save_opt->count() > 0 || resume_opt->count() > 0))
+      throw std::invalid_argument("--save and --resume take one run: give --policy and --ranks instead of --compare");
     const bool cuda = backend == "cuda";
     if (!cuda) tiny::use_one_blas_thread();
 
@@ -263,9 +281,16 @@ int main(int argc, char** argv) {
     std::printf("model: %d layers, width %d, %d heads, MLP %dx, vocab %d: %zu parameters (%s)\n", cfg.model.layers,
                 cfg.model.width, cfg.model.heads, cfg.model.mlp_ratio, cfg.model.vocab, probe.num_parameters(),
                 bf16 ? "bf16, fp32 master" : "fp32");
-    std::printf("training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, %s reduction, %s\n\n",
+    std::printf("training: %d steps of %d examples (%d micro-steps), AdamW lr %g, clip 1.0, %s reduction, %s\n",
                 cfg.steps, cfg.batch, cfg.accumulation, double(cfg.lr), tandem::dtype_name(cfg.reduce_dtype),
                 cuda ? "one GPU per rank (cuBLAS, NCCL)" : "one BLAS thread per CPU rank");
+    if (cfg.schedule_steps != cfg.steps) std::printf("learning-rate schedule over %d steps\n", cfg.schedule_steps);
+    if (!cfg.resume_dir.empty()) std::printf("resuming from the checkpoint in %s\n", cfg.resume_dir.c_str());
+    if (!cfg.save_dir.empty())
+      std::printf("saving to %s%s\n", cfg.save_dir.c_str(),
+                  cfg.save_every > 0 ? (" every " + std::to_string(cfg.save_every) + " steps and at the end").c_str()
+                                     : " at the end");
+    std::printf("\n");
 
     std::vector<Row> rows;
     auto run = [&](tiny::PolicyKind p, int n) {

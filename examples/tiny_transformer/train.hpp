@@ -82,6 +82,12 @@ struct TrainConfig {
   tandem::DType reduce_dtype = tandem::DType::fp32;
   int eval_batch = 64;    ///< examples per evaluation forward pass
   int untimed_steps = 0;  ///< the first steps are left out of the throughput (buffers' first touch, caches)
+  /// The learning-rate schedule's length (0: `steps`). A run that stops and resumes follows the schedule of one that
+  /// never stopped only when both give the same length here.
+  int schedule_steps = 0;
+  std::string save_dir;    ///< non-empty: save a checkpoint here at the end (and every save_every steps)
+  int save_every = 0;      ///< > 0: also save after every save_every-th step
+  std::string resume_dir;  ///< non-empty: start from the checkpoint here (its step count: where training goes on)
 };
 
 struct TrainResult {
@@ -99,9 +105,10 @@ struct TrainResult {
 using Progress = std::function<void(int, int, double, double)>;
 
 inline float learning_rate(const TrainConfig& cfg, int step) {
-  const int warmup = std::max(1, cfg.steps / 20);
+  const int length = cfg.schedule_steps > 0 ? cfg.schedule_steps : cfg.steps;
+  const int warmup = std::max(1, length / 20);
   if (step < warmup) return cfg.lr * float(step + 1) / float(warmup);
-  const double t = double(step - warmup) / std::max(1, cfg.steps - warmup);
+  const double t = std::min(1.0, double(step - warmup) / std::max(1, length - warmup));  // the floor after the end
   return cfg.lr * float(0.1 + 0.45 * (1.0 + std::cos(3.141592653589793 * t)));
 }
 
@@ -335,6 +342,12 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
   }
 
+  int first_step = 0;
+  if (!cfg.resume_dir.empty()) {  // tandem: the checkpoint's state, at any rank count and under any policy
+    dp.load_checkpoint(cfg.resume_dir);
+    first_step = int(dp.step_count());
+  }
+
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);
   std::vector<int> tokens(std::size_t(local) * len), targets(tokens.size());
   double final_loss = 0;
@@ -343,12 +356,12 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     if (passes) passes->finish();
   };
 
-  const int untimed = cfg.untimed_steps < cfg.steps ? cfg.untimed_steps : 0;
+  const int untimed = std::max(first_step, cfg.untimed_steps < cfg.steps ? cfg.untimed_steps : 0);
   dev.synchronize();
   comm.barrier();
   auto start = std::chrono::steady_clock::now();
-  for (int step = 0; step < cfg.steps; ++step) {
-    if (step == untimed && step > 0) {
+  for (int step = first_step; step < cfg.steps; ++step) {
+    if (step == untimed && step > first_step) {
       dev.synchronize();
       comm.barrier();
       start = std::chrono::steady_clock::now();
@@ -375,12 +388,15 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     if (rank == 0 && progress)
       progress(step + 1, cfg.steps, loss,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < cfg.steps)
+      dp.save_checkpoint(cfg.save_dir);  // tandem: every rank writes its shard; the manifest makes it the checkpoint
   }
+  if (!cfg.save_dir.empty()) dp.save_checkpoint(cfg.save_dir);
   dev.synchronize();
   comm.barrier();
   TrainResult result;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.tokens = double(cfg.steps - untimed) * cfg.batch * len;
+  result.tokens = double(std::max(0, cfg.steps - untimed)) * cfg.batch * len;
   result.final_loss = final_loss;
 
   // Held-out evaluation, split over the ranks: rank r takes a contiguous 1/world of the examples. Under sharded

@@ -18,6 +18,7 @@
 #include "tandem/core/plan.hpp"
 #include "tandem/core/stream.hpp"
 #include "tandem/core/tensor.hpp"
+#include "tandem/front/checkpoint_files.hpp"
 #include "tandem/front/data_parallel.hpp"
 #include "tandem/front/estimate.hpp"
 #include "tandem/front/options.hpp"

@@ -19,9 +19,9 @@ auto allocate_named(const Backend& backend, std::size_t n, const char* what) {
   try {
     return backend.template allocate<T>(n);
   } catch (const std::exception& e) {
-    const std::string size = n <= SIZE_MAX / sizeof(T) ? std::to_string(n * sizeof(T)) + " bytes"
-                                                         : std::to_string(n) + " elements of " +
-                                                               std::to_string(sizeof(T)) + " bytes";
+    const std::string size = n <= SIZE_MAX / sizeof(T)
+                                 ? std::to_string(n * sizeof(T)) + " bytes"
+                                 : std::to_string(n) + " elements of " + std::to_string(sizeof(T)) + " bytes";
     fail(std::string("tandem: allocating ") + what + " (" + size + ") failed: " + e.what());
   }
 }

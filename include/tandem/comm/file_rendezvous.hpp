@@ -28,13 +28,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <span>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
 
+#include "tandem/core/atomic_file.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/hash.hpp"
 
@@ -139,31 +139,14 @@ inline RendezvousRead read_rendezvous(const std::string& path, std::string_view 
 /// naming the path and the system's reason when it cannot.
 inline void publish_blob(const std::string& path, std::string_view key, std::span<const std::byte> blob) {
   const std::vector<unsigned char> file = detail::rendezvous_file(key, blob);
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(std::random_device{}());
-  const auto fail_with = [&](const char* what) {
-    const std::string reason = std::strerror(errno);
-    ::unlink(tmp.c_str());
-    detail::fail("tandem: publish_blob: cannot " + std::string(what) + " `" + tmp + "` for `" + path + "`: " + reason +
+  try {
+    detail::AtomicFile out(path, "the rendezvous file");
+    out.write(file.data(), file.size());
+    out.commit();
+  } catch (const error& e) {
+    detail::fail(std::string("tandem: publish_blob: ") + e.what() +
                  "; pass a path in a writable directory that every rank sees");
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail_with("create");
-  std::size_t done = 0;
-  while (done < file.size()) {
-    const ssize_t n = ::write(fd, file.data() + done, file.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      ::close(fd);
-      fail_with("write");
-    }
-    done += static_cast<std::size_t>(n);
   }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    fail_with("fsync");
-  }
-  if (::close(fd) != 0) fail_with("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_with("rename");
 }
 
 /// The other ranks' half: waits until `path` holds a complete file with `key` and returns its blob. Throws

@@ -21,13 +21,13 @@
 #include <unistd.h>
 
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "tandem/core/atomic_file.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/hash.hpp"
@@ -79,87 +79,20 @@ inline std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 
   return ~crc;
 }
 
-/// Test hook: when non-zero, the writer fails (as a crash would) after this many bytes. Never set it in
-/// production code.
-inline std::size_t& checkpoint_fault_after_bytes() {
-  static thread_local std::size_t bytes = 0;
-  return bytes;
-}
-
-/// A temporary name beside `path` that no other writer uses: the process id and a per-process count.
-inline std::string unique_temp_name(const std::string& path) {
-  static std::atomic<std::uint64_t> count{0};
-  return path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(count.fetch_add(1));
-}
-
+/// The legacy file's writer: AtomicFile with the values of the format.
 class CheckpointWriter {
  public:
-  explicit CheckpointWriter(std::string path) : path_(std::move(path)), temp_(unique_temp_name(path_)) {
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("tandem: cannot create the checkpoint file `" + temp_ + "`: " + std::strerror(errno));
-  }
-  CheckpointWriter(const CheckpointWriter&) = delete;
-  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
-  ~CheckpointWriter() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_ && !crashed_) ::unlink(temp_.c_str());  // leave the previous checkpoint alone, remove the partial
-  }
-
-  void bytes(const void* data, std::size_t n) {
-    const std::size_t limit = checkpoint_fault_after_bytes();
-    if (limit != 0 && written_ + n > limit) {
-      write_all(data, limit - written_);
-      ::close(fd_);
-      fd_ = -1;
-      crashed_ = true;  // a crash: the partial temporary file stays behind, as it would
-      fail("tandem: simulated crash while writing the checkpoint");
-    }
-    write_all(data, n);
-  }
+  explicit CheckpointWriter(std::string path) : file_(std::move(path), "the checkpoint file") {}
+  void bytes(const void* data, std::size_t n) { file_.write(data, n); }
   template <class T>
   void value(T v) {
     bytes(&v, sizeof v);
   }
-  void text(const std::string& s) {
-    value(static_cast<std::uint32_t>(s.size()));
-    bytes(s.data(), s.size());
-  }
-  std::size_t written() const { return written_; }
-
-  /// Flushes to disk and renames the temporary file over the target.
-  void commit() {
-    if (::fsync(fd_) != 0) fail("tandem: cannot flush the checkpoint `" + temp_ + "`: " + std::strerror(errno));
-    ::close(fd_);
-    fd_ = -1;
-    if (::rename(temp_.c_str(), path_.c_str()) != 0)
-      fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
-    committed_ = true;
-    const std::size_t slash = path_.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {  // make the rename itself durable
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
+  std::size_t written() const { return file_.written(); }
+  void commit() { file_.commit(); }
 
  private:
-  void write_all(const void* data, std::size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) fail("tandem: cannot write the checkpoint `" + temp_ + "`: " + std::strerror(errno));
-      p += w;
-      n -= static_cast<std::size_t>(w);
-      written_ += static_cast<std::size_t>(w);
-    }
-  }
-
-  std::string path_, temp_;
-  int fd_ = -1;
-  std::size_t written_ = 0;
-  bool committed_ = false, crashed_ = false;
+  AtomicFile file_;
 };
 
 /// Reads a checkpoint from memory, checking every length against what is left.

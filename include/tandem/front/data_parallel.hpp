@@ -58,6 +58,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <span>
@@ -336,59 +337,111 @@ class DataParallel {
     backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
   }
 
-  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) to `path`,
-  /// in a layout independent of the world size and policy (core/checkpoint.hpp). Collective: every rank calls
-  /// it; rank 0 writes the file atomically. Call it between optimizer steps, not inside an accumulation window.
-  TANDEM_COLD void save_checkpoint(const std::string& path) {
+  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) as a sharded
+  /// checkpoint in directory `dir` (created if missing): every rank writes its shard of every bucket to a safetensors
+  /// file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes manifest.json,
+  /// which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the previous
+  /// checkpoint in `dir` whole; after it, the previous one's files are removed. Collective; call it between optimizer
+  /// steps, not inside an accumulation window. If any rank fails, every rank throws tandem::error.
+  TANDEM_COLD void save_checkpoint(const std::string& dir) {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
     const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
-    CheckpointData meta;
-    meta.step = step_;
-    meta.optimizer = Opt::name;
-    meta.saved_by_policy = P::name;
-    meta.saved_world_size = static_cast<std::uint32_t>(world_);
-    meta.optimizer_fingerprint = optimizer_fingerprint();
-    // Every rank allocates first and agrees on it, so that none fails alone inside a gather; rank 0 then assembles and
-    // writes, and every rank learns how that went.
     std::string problem;
-    std::optional<detail::CheckpointGather<P, Backend>> gather;
+    std::uint64_t id = 0;
     try {
-      gather.emplace(backend_, plan_, state_, pdtype_, rank_);
+      std::filesystem::create_directories(dir);
+      if (rank_ == 0) id = detail::new_save_id();
     } catch (const std::exception& e) {
-      problem = std::string("tandem: save_checkpoint: allocating the gather buffers failed: ") + e.what();
+      problem = "tandem: save_checkpoint: cannot create the directory `" + dir + "`: " + e.what();
     }
     all_ranks_succeed(problem);
-    gather->gather(comm_);
-    if (rank_ == 0) try {
-        write_checkpoint(path, gather->data(layout_, std::move(meta)));
-      } catch (const std::exception& e) {
-        problem = e.what();
+    id = all_gather_words({id})[0];  // rank 0's: the name of this save's files
+    SafetensorsSummary mine;
+    const std::string file = dir + "/" + detail::shard_file_name(step_, id, rank_, world_);
+    // A save that fails after this rank's file was written takes the file with it: no manifest will name it.
+    struct Orphan {
+      const std::string& file;
+      bool kept = false;
+      ~Orphan() {
+        std::error_code ignored;
+        if (!kept) std::filesystem::remove(file, ignored);
       }
-    all_ranks_succeed(problem);
-  }
-
-  /// Restores the training state from a checkpoint written by save_checkpoint, at any world size and under
-  /// any policy: the tensors (names, sizes, dtypes) and the optimizer must match. Collective. Every rank reads
-  /// and verifies the file before anything is changed; if any rank fails, or the ranks read different checkpoints,
-  /// every rank throws and nothing changed. The accumulation window starts clean (no gradient of a half-finished
-  /// window survives).
-  /// The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
-  TANDEM_COLD void load_checkpoint(const std::string& path) {
-    std::string problem;
-    CheckpointData c;
+    } orphan{file};
     try {
-      check_no_open_bucket("load_checkpoint");
-      check_no_open_parameters("load_checkpoint");
-      c = read_checkpoint(path);
-      detail::check_checkpoint(c, path, layout_, Opt::name, state_.state_count(), pdtype_);
+      mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, file);
     } catch (const std::exception& e) {
       problem = e.what();
     }
     all_ranks_succeed(problem);
-    // Every rank must restore the same state: the same file's contents (or a copy of it), hence the same step.
-    const std::vector<std::uint64_t> read = all_gather_words({c.step, c.content_id});
+    const std::vector<std::uint64_t> files = all_gather_words({mine.bytes, mine.header_crc});
+    if (rank_ == 0) try {
+        CheckpointManifest m;
+        m.step = step_;
+        m.policy = P::name;
+        m.world_size = static_cast<std::uint32_t>(world_);
+        m.optimizer = Opt::name;
+        m.optimizer_fingerprint = optimizer_fingerprint();
+        m.state_count = static_cast<std::uint32_t>(state_.state_count());
+        m.param_dtype = pdtype_;
+        m.bucket_cap_bytes = options_.bucket_cap_bytes;
+        m.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
+        m.tensors = layout_.tensors();
+        for (int r = 0; r < world_; ++r)
+          m.files.push_back({detail::shard_file_name(step_, id, r, world_), files[2 * static_cast<std::size_t>(r)],
+                             static_cast<std::uint32_t>(files[2 * static_cast<std::size_t>(r) + 1])});
+        detail::commit_manifest(dir, m);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+    all_ranks_succeed(problem);
+    orphan.kept = true;
+  }
+
+  /// Restores the training state from a checkpoint, at any world size and under any policy: a directory written by
+  /// save_checkpoint (each rank reads only the saved slices that overlap what it keeps, each checked against its
+  /// checksum), a parameters-only one (tandem_checkpoint import: the parameters; master weights derived, optimizer
+  /// state and step zero), or a single file of tandem's earlier format. The tensors (names, sizes, dtypes) and the
+  /// optimizer must match. Collective. Every rank reads and checks the manifest (or file) before anything is changed;
+  /// if any rank fails there, or the ranks read different checkpoints, every rank throws and nothing changed. A slice
+  /// that fails its checksum while it is restored makes every rank throw too; the state is then partly overwritten,
+  /// and stepping is refused until a load succeeds. The accumulation window starts clean (no gradient of a
+  /// half-finished window survives). The restored state is bit for bit the saved one, and the user's parameter
+  /// buffers receive it.
+  TANDEM_COLD void load_checkpoint(const std::string& path) {
+    std::string problem;
+    std::optional<CheckpointData> single;
+    std::optional<detail::ShardedCheckpoint> sharded;
+    std::uint64_t step = 0, content = 0;
+    try {
+      check_no_open_bucket("load_checkpoint");
+      check_no_open_parameters("load_checkpoint");
+      if (std::filesystem::is_directory(path)) {
+        const std::string manifest = path + "/" + detail::manifest_name;
+        if (!std::filesystem::exists(manifest))
+          detail::fail("tandem: the checkpoint `" + path + "` has no " + detail::manifest_name +
+                       ": it is not a checkpoint, or its first save did not finish");
+        const std::string text = detail::read_text_file(manifest, "the checkpoint manifest");
+        CheckpointManifest m = detail::parse_manifest(text, manifest);
+        detail::check_manifest(m, path, layout_, Opt::name, state_.state_count(), pdtype_);
+        step = m.parameters_only ? 0 : m.step;
+        content = detail::crc32c(text.data(), text.size());
+        sharded.emplace(path, std::move(m), layout_);
+        // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
+        detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::check);
+      } else {
+        single = read_checkpoint(path);
+        detail::check_checkpoint(*single, path, layout_, Opt::name, state_.state_count(), pdtype_);
+        step = single->step;
+        content = single->content_id;
+      }
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    all_ranks_succeed(problem);
+    // Every rank must restore the same state: the same checkpoint's contents (or a copy of them), hence the same step.
+    const std::vector<std::uint64_t> read = all_gather_words({step, content});
     for (int r = 1; r < world_; ++r)
       if (read[2 * static_cast<std::size_t>(r)] != read[0] || read[2 * static_cast<std::size_t>(r) + 1] != read[1])
         detail::fail("tandem: load_checkpoint: ranks 0 and " + std::to_string(r) +
@@ -396,15 +449,36 @@ class DataParallel {
                      std::to_string(read[2 * static_cast<std::size_t>(r)]) +
                      "); every rank must load the same one. Nothing was changed");
     StreamScope scope(*this, Exit::leave);
-    // The copies read `c` as late as when they run on the work stream (the stream-faithful backend's rule), so `c`
-    // must outlive them: the synchronize below.
-    detail::restore_checkpoint<P>(backend_, plan_, layout_, rank_, state_, c);
-    step_ = c.step;
+    if (single) {
+      // The copies read `single` as late as when they run on the work stream (the stream-faithful backend's rule),
+      // so it must outlive them: the synchronize below.
+      detail::restore_checkpoint<P>(backend_, plan_, layout_, rank_, state_, *single);
+      backend_.synchronize(work_stream());
+    } else {
+      try {
+        detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::copy);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+      try {
+        all_ranks_succeed(problem);
+      } catch (const std::exception& e) {
+        restore_failed_ = std::string("load_checkpoint failed while restoring (") + e.what() +
+                          "), so the state is partly overwritten; load a checkpoint that verifies";
+        throw;
+      }
+      if (sharded->manifest().parameters_only) {  // parameters only: the optimizer starts afresh
+        init_masters(scope);
+        for (std::size_t k = 0; k < state_.state_count(); ++k)
+          backend_.zero(state_.state(k), state_.held().state * sizeof(float), work_stream());
+      }
+    }
+    step_ = step;
     reset_window();
     gathered_.forget();
     synced_ = true;
+    restore_failed_.clear();
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) (this->*steps_->params_out)(scope, b);
-    backend_.synchronize(work_stream());  // `c` (host memory the copies read) ends with this call
     scope.leave();
   }
 
@@ -829,6 +903,7 @@ class DataParallel {
 
   void check_stepping(const char* what) const {
     if (!live_.yes) detail::fail(std::string("tandem: ") + what + " on a DataParallel that has been moved from");
+    if (!restore_failed_.empty()) detail::fail(std::string("tandem: ") + what + ": " + restore_failed_);
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
                    "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
@@ -1431,6 +1506,7 @@ class DataParallel {
   std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again
   std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
   std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
+  std::string restore_failed_;  ///< why the state cannot be trained on until a load succeeds (empty: it can)
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
   std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step

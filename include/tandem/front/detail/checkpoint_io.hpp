@@ -1,106 +1,42 @@
 // SPDX-License-Identifier: Apache-2.0
-// Checkpoint I/O: a rank's TrainingState to and from CheckpointData (core/checkpoint.hpp's world-size- and
-// policy-independent form: per tensor, its parameters, fp32 master weights and optimizer state). Saving gathers
-// every owned range to rank 0 (the state's owned space under policy P: all of it under replicated state, the rank's
-// shards under sharded state; the parameters from the full buffer, or gathered from the shards); loading takes from
-// the data what this rank owns. The front agrees on failures across ranks (detail::all_ranks_succeed), checks the
-// data (detail::check_checkpoint) and orders the streams.
+// Checkpoint I/O: a rank's TrainingState to and from a checkpoint. Sharded checkpoints (core/checkpoint_manifest.hpp):
+// rank r writes shard r of every bucket of every array (parameters, master weights, optimizer state) to a file of its
+// own, streamed through one host chunk (write_shard); loading reads, under any policy and world size, only the saved
+// slices that overlap what a rank keeps, each checked against its checksum (ShardedCheckpoint). The single-file format
+// of earlier versions (core/checkpoint.hpp) still loads (restore_checkpoint). The front agrees on failures across
+// ranks (detail::all_ranks_succeed), checks the checkpoint against its layout (validation.hpp), writes the manifest and
+// orders the streams.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/checkpoint.hpp"
+#include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/config.hpp"
+#include "tandem/core/crc32c.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/plan.hpp"
+#include "tandem/core/safetensors.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/detail/training_state.hpp"
 #include "tandem/policy/policy.hpp"
 
 namespace tandem::detail {
-
-/// Saving: every owned-space array of a rank's state (master weights, optimizer state, parameter shards) over the
-/// whole flat space on every rank, and the full parameters on rank 0, gathered in three steps so that no rank ever
-/// fails alone inside a collective: the constructor allocates everything (the caller agrees on its success across
-/// ranks), gather() runs the collectives and allocates nothing, and data() (rank 0) assembles the CheckpointData.
-template <Policy P, class Backend>
-class CheckpointGather {
- public:
-  TANDEM_COLD CheckpointGather(const Backend& backend, const Plan& plan, const TrainingState<Backend>& state,
-                               DType param_dtype, int rank)
-      : backend_(backend), plan_(plan), state_(state), pdtype_(param_dtype), rank_(rank) {
-    const std::size_t full = plan.total_size(), psize = dtype_size(param_dtype);
-    staging_ = allocate_named<unsigned char>(backend, full * std::max(psize, sizeof(float)), "the checkpoint's gather buffer");
-    if (state.master() != nullptr) masters_.resize(full * sizeof(float));
-    if (state.param_flat() == nullptr || rank == 0) params_.resize(full * psize);
-    states_.assign(state.state_count(), std::vector<unsigned char>(full * sizeof(float)));
-  }
-
-  /// The collectives (every rank, in the same order), then rank 0's read of the full parameters.
-  template <Communicator Comm>
-  TANDEM_COLD void gather(Comm& comm) {
-    if (state_.master() != nullptr) gather_owned(comm, state_.master(), DType::fp32, masters_);
-    if (state_.param_flat() == nullptr) gather_owned(comm, state_.param_shard(), pdtype_, params_);
-    for (std::size_t k = 0; k < state_.state_count(); ++k) gather_owned(comm, state_.state(k), DType::fp32, states_[k]);
-    if (state_.param_flat() != nullptr && rank_ == 0)
-      backend_.read(params_.data(), state_.param_flat(), params_.size(), backend_.stream());
-  }
-
-  /// Rank 0: `meta` (step, names, fingerprint) with every tensor's parameters, masters and state filled in.
-  TANDEM_COLD CheckpointData data(const Layout& layout, CheckpointData meta) const {
-    const std::size_t psize = dtype_size(pdtype_);
-    auto floats = [](const std::vector<unsigned char>& bytes, std::size_t at, std::size_t n) {
-      std::vector<float> v(n);
-      if (n != 0) std::memcpy(v.data(), bytes.data() + at * sizeof(float), n * sizeof(float));
-      return v;
-    };
-    meta.param_dtype = pdtype_;
-    meta.state_count = static_cast<std::uint32_t>(state_.state_count());
-    meta.tensors = layout.tensors();
-    for (std::size_t i = 0; i < layout.size(); ++i) {
-      const std::size_t at = plan_.flat_offset(i), n = layout[i].numel;
-      const unsigned char* p = params_.data() + at * psize;
-      meta.params.emplace_back(p, p + n * psize);
-      meta.masters.push_back(masters_.empty() ? std::vector<float>{} : floats(masters_, at, n));
-      meta.states.emplace_back();
-      for (const auto& st : states_) meta.states.back().push_back(floats(st, at, n));
-    }
-    return meta;
-  }
-
- private:
-  /// An owned-space array of `dtype` over the whole flat space, into `out`: each bucket's owned ranges all-gathered,
-  /// or copied where a rank owns every shard.
-  template <Communicator Comm>
-  void gather_owned(Comm& comm, const void* owned, DType dtype, std::vector<unsigned char>& out) {
-    const std::size_t size = dtype_size(dtype);
-    const auto* from = static_cast<const unsigned char*>(owned);
-    unsigned char* to = staging_.data();
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      const Bucket& bucket = plan_.bucket(b);
-      if (owns_every_shard<P>(comm.size()))
-        backend_.copy(to + bucket.offset * size, from + owned_offset<P>(plan_, b) * size, bucket.size * size,
-                      backend_.stream());
-      else
-        comm.all_gather(from + owned_offset<P>(plan_, b) * size, to + bucket.offset * size, bucket.shard_size, dtype,
-                        backend_.stream());
-    }
-    backend_.read(out.data(), to, out.size(), backend_.stream());
-  }
-
-  const Backend& backend_;
-  const Plan& plan_;
-  const TrainingState<Backend>& state_;
-  DType pdtype_;
-  int rank_;
-  typename Backend::template Buffer<unsigned char> staging_;
-  std::vector<unsigned char> masters_, params_;
-  std::vector<std::vector<unsigned char>> states_;
-};
 
 /// Copies what this rank keeps of a checked checkpoint into its state, on the backend's work stream: the full
 /// parameters (where it keeps them), and over its owned ranges the parameter shards, master weights and optimizer
@@ -127,6 +63,343 @@ TANDEM_COLD void restore_checkpoint(const Backend& backend, const Plan& plan, co
     for (std::size_t k = 0; k < state.state_count(); ++k)
       backend.copy(state.state(k) + into, c.states[i][k].data() + from, (end - begin) * sizeof(float),
                    backend.stream());
+  }
+}
+
+}  // namespace tandem::detail
+
+// ---- sharded checkpoints (core/checkpoint_manifest.hpp) -------------------------------------------------------------
+
+namespace tandem::detail {
+
+/// One array a checkpoint holds for every element: the parameters, the fp32 master weights, an optimizer state array.
+struct CheckpointArray {
+  enum class Kind { params, master, state } kind = Kind::params;
+  std::size_t index = 0;  ///< the state array's
+  DType dtype = DType::fp32;
+  std::string prefix;  ///< of its tensors' names in a shard file
+};
+
+/// The arrays of a checkpoint of `param_dtype` parameters with `state_count` state arrays, in file order.
+inline std::vector<CheckpointArray> checkpoint_arrays(DType param_dtype, std::size_t state_count) {
+  using Kind = CheckpointArray::Kind;
+  std::vector<CheckpointArray> arrays = {{Kind::params, 0, param_dtype, ""}};
+  if (param_dtype != DType::fp32) arrays.push_back({Kind::master, 0, DType::fp32, "master/"});
+  for (std::size_t k = 0; k < state_count; ++k)
+    arrays.push_back({Kind::state, k, DType::fp32, "state" + std::to_string(k) + "/"});
+  return arrays;
+}
+
+/// Elements [begin, end) of layout tensor `tensor`; its first element is at `flat` of the plan's flat space.
+struct Slice {
+  std::size_t tensor = 0, begin = 0, end = 0, flat = 0, bucket = 0;
+};
+
+/// Shard `rank` of every bucket of `plan`, cut at tensor boundaries, in flat order (alignment gaps and padding hold
+/// nothing and are left out).
+inline std::vector<Slice> shard_slices(const Plan& plan, int rank) {
+  std::vector<Slice> out;
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+    const Range shard = plan.shard(b, rank);
+    std::vector<std::size_t> tensors = plan.bucket(b).tensors;
+    std::sort(tensors.begin(), tensors.end(),
+              [&](std::size_t x, std::size_t y) { return plan.flat_offset(x) < plan.flat_offset(y); });
+    for (std::size_t t : tensors) {
+      const std::size_t first = plan.flat_offset(t), n = plan.placement(t).numel;
+      const std::size_t lo = std::max(first, shard.begin), hi = std::min(first + n, shard.end);
+      if (lo < hi) out.push_back({t, lo - first, hi - first, lo, b});
+    }
+  }
+  return out;
+}
+
+/// A slice's tensor name in a shard file: the array's prefix and the tensor's name, with "[begin:end]" unless whole.
+inline std::string slice_name(const CheckpointArray& a, const TensorSpec& t, std::size_t begin, std::size_t end) {
+  std::string name = a.prefix + t.name;
+  if (begin != 0 || end != t.numel) name += "[" + std::to_string(begin) + ":" + std::to_string(end) + "]";
+  return name;
+}
+
+/// Bytes a checkpoint streams through host memory at a time.
+inline constexpr std::size_t checkpoint_chunk_bytes = std::size_t{8} << 20;
+
+/// Where rank `rank` keeps a slice of its shard of `array` (backend memory; the slice lies in the rank's shard).
+template <Policy P, class Backend>
+unsigned char* slice_source(const TrainingState<Backend>& state, const Plan& plan, int rank, const CheckpointArray& a,
+                            const Slice& s, std::size_t psize) {
+  using Kind = CheckpointArray::Kind;
+  if (a.kind == Kind::params) {
+    if (state.param_flat() != nullptr) return state.param_flat() + s.flat * psize;
+    return state.param_shard() +
+           (plan.bucket(s.bucket).shard_offset + s.flat - plan.shard(s.bucket, rank).begin) * psize;
+  }
+  float* base = a.kind == Kind::master ? state.master() : state.state(a.index);
+  return reinterpret_cast<unsigned char*>(base + owned_offset<P>(plan, s.bucket) + s.flat -
+                                          owned_range<P>(plan, s.bucket, rank).begin);
+}
+
+/// Writes rank `rank`'s shard of every array (shard `rank` of every bucket) to `path`, streamed through one host
+/// chunk, as a safetensors file; returns its size and data checksum. Local: no collective.
+template <Policy P, class Backend>
+TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& plan, const Layout& layout,
+                                           const TrainingState<Backend>& state, DType param_dtype, int rank, int world,
+                                           const std::string& path) {
+  const std::vector<CheckpointArray> arrays = checkpoint_arrays(param_dtype, state.state_count());
+  const std::vector<Slice> slices = shard_slices(plan, rank);
+  std::vector<SafetensorsEntry> entries;
+  std::size_t largest = 0;
+  for (const CheckpointArray& a : arrays)
+    for (const Slice& s : slices) {
+      entries.push_back({slice_name(a, layout[s.tensor], s.begin, s.end), a.dtype, s.end - s.begin});
+      largest = std::max(largest, (s.end - s.begin) * dtype_size(a.dtype));
+    }
+  SafetensorsWriter out(
+      path, std::move(entries),
+      {{"format", "tandem-checkpoint-shard"}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}},
+      "the checkpoint shard");
+  const std::size_t psize = dtype_size(param_dtype);
+  // Host memory is written from where it is (the host backend has nothing queued); other memory through one chunk.
+  std::vector<unsigned char> chunk(Backend::host_memory ? 0 : std::min(largest, checkpoint_chunk_bytes));
+  for (const CheckpointArray& a : arrays)
+    for (const Slice& s : slices) {
+      const unsigned char* from = slice_source<P>(state, plan, rank, a, s, psize);
+      const std::size_t bytes = (s.end - s.begin) * dtype_size(a.dtype);
+      if constexpr (Backend::host_memory) {
+        out.data(from, bytes);
+      } else {
+        for (std::size_t at = 0; at < bytes; at += chunk.size()) {
+          const std::size_t n = std::min(chunk.size(), bytes - at);
+          backend.read(chunk.data(), from + at, n, backend.stream());
+          out.data(chunk.data(), n);
+        }
+      }
+    }
+  return out.commit();
+}
+
+/// A sharded checkpoint opened for loading: its manifest (checked by the caller), the plan that saved it, and its
+/// files, opened when first read. read() copies any range of any array of any tensor into backend memory, reading
+/// only the saved slices that overlap it, each verified against the checksum its file records.
+class ShardedCheckpoint {
+ public:
+  ShardedCheckpoint(std::string dir, CheckpointManifest manifest, const Layout& layout)
+      : dir_(std::move(dir)), manifest_(std::move(manifest)), files_(manifest_.files.size()) {
+    if (manifest_.parameters_only) return;  // whole tensors in one file: no plan
+    PlanOptions po;                         // the saving plan, as detail::plan_for cut it
+    po.bucket_cap_bytes = static_cast<std::size_t>(manifest_.bucket_cap_bytes);
+    po.first_bucket_cap_bytes = static_cast<std::size_t>(manifest_.first_bucket_cap_bytes);
+    po.world_size = static_cast<int>(manifest_.world_size);
+    po.bucket_element_bytes = sizeof(float);
+    po.alignment_elements = 16 / dtype_size(manifest_.param_dtype);
+    po.shard_alignment_elements = 128 / dtype_size(manifest_.param_dtype);
+    std::vector<std::size_t> sizes;
+    for (const TensorSpec& t : layout.tensors()) sizes.push_back(t.numel);
+    saved_ = Plan(sizes, po);
+  }
+
+  const CheckpointManifest& manifest() const { return manifest_; }
+
+  /// Elements [lo, hi) of array `a` of layout tensor `tensor` (named `spec`) into `to` (backend memory, hi - lo
+  /// elements), through `chunk` (host memory; the backend's copies are waited for before it is reused). With
+  /// `to` null it only opens the files that hold them and checks their entries (nothing is read or written), so that
+  /// a missing or damaged file is found before anything changes.
+  template <class Backend>
+  void read(const Backend& backend, const CheckpointArray& a, std::size_t tensor, const TensorSpec& spec,
+            std::size_t lo, std::size_t hi, unsigned char* to, std::vector<unsigned char>& chunk) {
+    if (to == nullptr) {
+      visit(a, tensor, spec, lo, hi, nullptr, no_direct, [](const unsigned char*, std::size_t, std::uint64_t) {});
+      return;
+    }
+    const std::size_t size = dtype_size(a.dtype);
+    // Host memory takes a slice that lies wholly in [lo, hi) straight from the file (its checksum is taken there).
+    auto direct = [&]([[maybe_unused]] std::size_t begin, [[maybe_unused]] std::size_t end) -> unsigned char* {
+      if constexpr (Backend::host_memory)
+        return begin >= lo && end <= hi ? to + (begin - lo) * size : nullptr;
+      else
+        return static_cast<unsigned char*>(nullptr);
+    };
+    visit(a, tensor, spec, lo, hi, &chunk, direct, [&](const unsigned char* data, std::size_t n, std::uint64_t at) {
+      backend.copy(to + at, data, n, backend.stream());
+      backend.synchronize(backend.stream());  // the copy reads `chunk`, which the next read overwrites
+    });
+  }
+
+  /// Every element of array `a` of layout tensor `tensor`, in order: sink(data, bytes) for each piece (host memory,
+  /// valid during the call), each saved slice checked against its checksum once read.
+  template <class Sink>
+  void stream(const CheckpointArray& a, std::size_t tensor, const TensorSpec& spec, std::vector<unsigned char>& chunk,
+              Sink&& sink) {
+    visit(a, tensor, spec, 0, spec.numel, &chunk, no_direct,
+          [&](const unsigned char* data, std::size_t n, std::uint64_t) { sink(data, n); });
+  }
+
+ private:
+  static unsigned char* no_direct(std::size_t, std::size_t) { return nullptr; }
+
+  /// The saved slices of tensor `tensor`'s array `a` that overlap elements [lo, hi), in order: each is opened and its
+  /// entry checked; with a chunk, it is read whole (for its checksum): into direct(begin, end) where that gives memory
+  /// for the whole slice, else through the chunk, sink(data, bytes, offset) receiving its part in [lo, hi), `offset`
+  /// bytes from element lo. The checksum is compared at the slice's end.
+  template <class Direct, class Sink>
+  void visit(const CheckpointArray& a, std::size_t tensor, const TensorSpec& spec, std::size_t lo, std::size_t hi,
+             std::vector<unsigned char>* chunk, Direct&& direct, Sink&& sink) {
+    if (lo >= hi) return;
+    const std::size_t size = dtype_size(a.dtype);
+    auto piece = [&](std::size_t file, std::size_t begin, std::size_t end) {  // saved elements [begin, end)
+      const std::size_t from = std::max(lo, begin), until = std::min(hi, end);
+      if (from >= until) return;
+      const SafetensorsFile& f = open(file);
+      const std::string name = slice_name(a, spec, begin, end);
+      const SafetensorsFile::Tensor* t = f.find(name);
+      if (t == nullptr) f.corrupt("it lacks `" + name + "`");
+      if (t->dtype != a.dtype || t->count() != end - begin) f.corrupt("`" + name + "` has the wrong dtype or size");
+      std::uint32_t expected = 0;
+      if (!f.recorded_crc(name, expected)) f.corrupt("it records no checksum for `" + name + "`");
+      if (chunk == nullptr) return;
+      std::uint32_t crc = 0;
+      const std::uint64_t bytes = (end - begin) * size;
+      if (unsigned char* into = direct(begin, end)) {
+        f.read(t->begin, into, static_cast<std::size_t>(bytes));
+        crc = crc32c(into, static_cast<std::size_t>(bytes));
+        if (crc != expected)
+          f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " +
+                    hex8(expected) + ")");
+        return;
+      }
+      const std::uint64_t want_begin = (from - begin) * size, want_end = (until - begin) * size;
+      for (std::uint64_t at = 0; at < bytes; at += chunk->size()) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk->size(), bytes - at));
+        f.read(t->begin + at, chunk->data(), n);
+        crc = crc32c(chunk->data(), n, crc);
+        const std::uint64_t c0 = std::max(at, want_begin), c1 = std::min<std::uint64_t>(at + n, want_end);
+        // byte c0 of the slice is element begin + c0 / size: (begin - lo) * size + c0 bytes from element lo
+        if (c0 < c1) sink(chunk->data() + (c0 - at), static_cast<std::size_t>(c1 - c0), c0 + begin * size - lo * size);
+      }
+      if (crc != expected)
+        f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " +
+                  hex8(expected) + ")");
+    };
+    if (manifest_.parameters_only) {
+      piece(0, 0, spec.numel);
+      return;
+    }
+    const std::size_t first = saved_.flat_offset(tensor), b = saved_.placement(tensor).bucket;
+    for (int s = 0; s < static_cast<int>(manifest_.world_size); ++s) {
+      const Range shard = saved_.shard(b, s);
+      const std::size_t begin = std::max(first, shard.begin), end = std::min(first + spec.numel, shard.end);
+      if (begin < end) piece(static_cast<std::size_t>(s), begin - first, end - first);
+    }
+  }
+
+  const SafetensorsFile& open(std::size_t file) {
+    if (!files_[file]) {
+      const CheckpointManifest::File& m = manifest_.files[file];
+      const std::string path = dir_ + "/" + m.name;
+      std::error_code error;
+      const std::uintmax_t size = std::filesystem::file_size(path, error);
+      if (error) fail("tandem: cannot open `" + path + "`, a file of the checkpoint: " + error.message());
+      if (size != m.bytes)
+        fail("tandem: `" + path + "` is " + std::to_string(size) + " bytes long; the checkpoint's manifest says " +
+             std::to_string(m.bytes) + " (truncated, or from another save?)");
+      files_[file].emplace(path);
+      if (files_[file]->header_crc() != m.header_crc)
+        files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
+    }
+    return *files_[file];
+  }
+
+  std::string dir_;
+  CheckpointManifest manifest_;
+  Plan saved_;
+  std::vector<std::optional<SafetensorsFile>> files_;
+};
+
+/// Copies what this rank keeps of an opened sharded checkpoint into its state, on the backend's work stream (waited
+/// for): the full parameters (where it keeps them) or its parameter shard, and over its owned ranges the master
+/// weights and optimizer state (none from a parameters-only checkpoint). Throws tandem::error at the first slice that
+/// fails its checksum; what was copied before it stays copied.
+/// With Restore::check, it only opens and checks the files it would read (ShardedCheckpoint::read with no destination).
+enum class Restore { check, copy };
+
+template <Policy P, class Backend>
+TANDEM_COLD void restore_sharded(const Backend& backend, const Plan& plan, const Layout& layout, int rank,
+                                 const TrainingState<Backend>& state, ShardedCheckpoint& ckpt, Restore mode) {
+  using Kind = CheckpointArray::Kind;
+  const CheckpointManifest& m = ckpt.manifest();
+  const std::vector<CheckpointArray> arrays = checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
+  const std::size_t psize = dtype_size(m.param_dtype);
+  std::vector<unsigned char> chunk(mode == Restore::copy ? checkpoint_chunk_bytes : 0);
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    const std::size_t first = plan.flat_offset(i), n = layout[i].numel, b = plan.placement(i).bucket;
+    if (n == 0) continue;
+    const Range owned = owned_range<P>(plan, b, rank);
+    const std::size_t own_lo = std::max(first, owned.begin), own_hi = std::min(first + n, owned.end);
+    for (const CheckpointArray& a : arrays) {
+      const bool copy = mode == Restore::copy;
+      if (a.kind == Kind::params && state.param_flat() != nullptr) {
+        ckpt.read(backend, a, i, layout[i], 0, n, copy ? state.param_flat() + first * psize : nullptr, chunk);
+        continue;
+      }
+      if (own_lo >= own_hi) continue;
+      const Slice s{i, own_lo - first, own_hi - first, own_lo, b};
+      if (a.kind == Kind::master && state.master() == nullptr) continue;
+      ckpt.read(backend, a, i, layout[i], s.begin, s.end,
+                copy ? slice_source<P>(state, plan, rank, a, s, psize) : nullptr, chunk);
+    }
+  }
+}
+
+/// A name for one save's files that no other save in the same directory picks: the clock, the process and a count.
+inline std::uint64_t new_save_id() {
+  static std::atomic<std::uint64_t> count{0};
+  const std::uint64_t words[3] = {
+      static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
+      static_cast<std::uint64_t>(::getpid()), count.fetch_add(1)};
+  return fnv1a(words, sizeof words);
+}
+
+/// The name of rank `rank`'s file of the save `id` at `step`.
+inline std::string shard_file_name(std::uint64_t step, std::uint64_t id, int rank, int world) {
+  return "step" + std::to_string(step) + "-" + hex16(id) + "-rank" + std::to_string(rank) + "-of" +
+         std::to_string(world) + ".safetensors";
+}
+
+/// The contents of a small file (a manifest), or an error naming it.
+inline std::string read_text_file(const std::string& path, const std::string& what) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) fail("tandem: cannot open " + what + " `" + path + "`: " + std::strerror(errno));
+  std::string text;
+  char buffer[1 << 14];
+  for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) {
+    text.append(buffer, n);
+    if (text.size() > (std::size_t{1} << 30)) break;
+  }
+  const bool bad = std::ferror(f) != 0;
+  std::fclose(f);
+  if (bad) fail("tandem: cannot read " + what + " `" + path + "`");
+  return text;
+}
+
+/// Makes `m` the checkpoint in `dir`: writes its manifest atomically over the previous one, then removes the files
+/// that only the previous one named (a save next to an old checkpoint replaces it; a crash before the rename leaves
+/// it whole).
+TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m) {
+  const std::string path = dir + "/" + manifest_name;
+  std::vector<std::string> previous;
+  try {
+    for (const CheckpointManifest::File& f : parse_manifest(read_text_file(path, "the manifest"), path).files)
+      previous.push_back(f.name);
+  } catch (const error&) {
+    // no previous checkpoint here (or an unreadable one): nothing of it to remove
+  }
+  const std::string text = manifest_json(m);
+  AtomicFile out(path, "the checkpoint manifest");
+  out.write(text.data(), text.size());
+  out.commit();
+  for (const std::string& name : previous) {
+    bool kept = false;
+    for (const CheckpointManifest::File& f : m.files) kept = kept || f.name == name;
+    if (!kept) ::unlink((dir + "/" + name).c_str());
   }
 }
 

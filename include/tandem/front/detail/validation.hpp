@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tandem/core/checkpoint.hpp"
+#include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
@@ -63,6 +64,44 @@ TANDEM_COLD inline void check_checkpoint(const CheckpointData& c, const std::str
          std::to_string(layout.size()));
   for (std::size_t i = 0; i < layout.size(); ++i) {
     const TensorSpec& t = c.tensors[i];
+    if (t.name != layout[i].name || t.numel != layout[i].numel || t.dtype != layout[i].dtype)
+      fail(where + "differs at " + layout.describe(i) + ": it holds `" + t.name + "` with " + std::to_string(t.numel) +
+           " " + dtype_name(t.dtype) + " elements");
+  }
+}
+
+/// What a sharded checkpoint's manifest must match to be loaded: as check_checkpoint; a parameters-only one may list
+/// the tensors in any order, but must hold each of the layout's (by name, with its size and dtype) and nothing else.
+TANDEM_COLD inline void check_manifest(const CheckpointManifest& m, const std::string& path, const Layout& layout,
+                                       const char* optimizer, std::size_t state_count, DType param_dtype) {
+  const std::string where = "tandem: the checkpoint `" + path + "` ";
+  if (!m.parameters_only && (m.optimizer != optimizer || m.state_count != state_count))
+    fail(where + "holds " + m.optimizer + " state (" + std::to_string(m.state_count) +
+         " arrays) but this DataParallel uses " + optimizer + " (" + std::to_string(state_count) + ")");
+  if (m.param_dtype != param_dtype)
+    fail(where + "holds " + dtype_name(m.param_dtype) + " parameters but these are " + dtype_name(param_dtype));
+  if (m.parameters_only) {
+    for (std::size_t i = 0; i < layout.size(); ++i) {
+      std::size_t found = 0;
+      for (const TensorSpec& t : m.tensors)
+        if (t.name == layout[i].name) {
+          ++found;
+          if (t.numel != layout[i].numel)
+            fail(where + "holds `" + t.name + "` with " + std::to_string(t.numel) + " elements, but " +
+                 layout.describe(i) + " has " + std::to_string(layout[i].numel));
+        }
+      if (found != 1) fail(where + (found == 0 ? "lacks " : "holds more than one ") + layout.describe(i));
+    }
+    if (m.tensors.size() != layout.size())
+      fail(where + "holds " + std::to_string(m.tensors.size()) + " tensors, of which the layout names " +
+           std::to_string(layout.size()) + "; every tensor it holds must be one of the model's");
+    return;
+  }
+  if (m.tensors.size() != layout.size())
+    fail(where + "holds " + std::to_string(m.tensors.size()) + " tensors but the layout has " +
+         std::to_string(layout.size()));
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    const TensorSpec& t = m.tensors[i];
     if (t.name != layout[i].name || t.numel != layout[i].numel || t.dtype != layout[i].dtype)
       fail(where + "differs at " + layout.describe(i) + ": it holds `" + t.name + "` with " + std::to_string(t.numel) +
            " " + dtype_name(t.dtype) + " elements");

@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem_checkpoint: a sharded checkpoint (the directory DataParallel::save_checkpoint writes) outside a training run;
+// the command line of front/checkpoint_files.hpp.
+//
+//   tandem_checkpoint verify DIR                    read every byte of every file and check it against its checksum
+//   tandem_checkpoint consolidate DIR OUT [--all]   the parameters as whole tensors in one safetensors file (--all:
+//   with
+//                                                   the master weights and optimizer state), for inference or PyTorch
+//   tandem_checkpoint import IN.safetensors DIR     a safetensors file as a parameters-only checkpoint, which
+//                                                   DataParallel::load_checkpoint(DIR) takes as initial parameters
+//
+// Exit codes: 0 done, 1 the checkpoint or a file is at fault (the message says which and why), 2 bad arguments.
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "tandem/front/checkpoint_files.hpp"
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.size() == 2 && args[0] == "verify") {
+      const tandem::CheckpointSummary s = tandem::verify_checkpoint(args[1]);
+      const tandem::CheckpointManifest& m = s.manifest;
+      std::printf("%s: step %llu, saved by %s at %u ranks, %zu %s tensors%s, %zu files, %llu bytes: verified\n",
+                  args[1].c_str(), static_cast<unsigned long long>(m.step), m.policy.c_str(), m.world_size,
+                  m.tensors.size(), tandem::dtype_name(m.param_dtype), m.parameters_only ? " (parameters only)" : "",
+                  m.files.size(), static_cast<unsigned long long>(s.bytes));
+      return 0;
+    }
+    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--all")) && args[0] == "consolidate") {
+      const bool all = args.size() == 4;
+      const std::uint64_t bytes =
+          tandem::consolidate_checkpoint(args[1], args[2], all ? tandem::Arrays::all : tandem::Arrays::parameters);
+      std::printf("%s: %s of %s, %llu bytes\n", args[2].c_str(),
+                  all ? "the parameters, master weights and optimizer state" : "the parameters", args[1].c_str(),
+                  static_cast<unsigned long long>(bytes));
+      return 0;
+    }
+    if (args.size() == 3 && args[0] == "import") {
+      const tandem::CheckpointManifest m = tandem::import_parameters(args[1], args[2]);
+      std::printf("%s: the %zu %s tensors of %s, as a parameters-only checkpoint\n", args[2].c_str(), m.tensors.size(),
+                  tandem::dtype_name(m.param_dtype), args[1].c_str());
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem_checkpoint: %s\n", e.what());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "usage: tandem_checkpoint verify DIR\n"
+               "       tandem_checkpoint consolidate DIR OUT.safetensors [--all]\n"
+               "       tandem_checkpoint import IN.safetensors DIR\n");
+  return 2;
+}

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# ctest example_tiny_transformer_resume: a run saved at step 40 on 2 ranks and resumed to step 80 goes on as one run.
+#   cmake -DEXE=<tiny_transformer> -DTOOL=<tandem_checkpoint> -DDIR=<scratch directory> -P resume_check.cmake
+# - resumed on 1 rank under another policy, it ends at the final loss of an uninterrupted 80-step run on 1 rank
+#   (within 1e-5 relative: the first 40 steps were reduced over 2 ranks);
+# - resumed on 2 ranks under the policy that saved it, its trained parameters are bitwise those of an uninterrupted
+#   80-step run on 2 ranks (the same fingerprint);
+# - its save at step 80 replaces the step-40 checkpoint in the same directory; tandem_checkpoint verifies the result and
+#   consolidates it.
+cmake_minimum_required(VERSION 3.25)
+foreach(var IN ITEMS EXE TOOL DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "resume_check.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${DIR}")
+file(MAKE_DIRECTORY "${DIR}")
+set(common --backend host --eval 256)
+
+function(run name)
+  execute_process(COMMAND "${EXE}" ${common} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${name}: tiny_transformer ${ARGN} failed (${rc}):\n${out}")
+  endif()
+  string(REGEX MATCH "fingerprint ([0-9a-f]+)" _ "${out}")
+  set(${name}_fingerprint "${CMAKE_MATCH_1}" PARENT_SCOPE)
+  set(${name}_out "${out}" PARENT_SCOPE)
+endfunction()
+
+# The final loss (the CSV's 10th column) of a one-row CSV.
+function(final_loss csv var)
+  file(STRINGS "${csv}" lines)
+  list(GET lines 1 row)
+  string(REPLACE "," ";" fields "${row}")
+  list(GET fields 9 loss)
+  set(${var} "${loss}" PARENT_SCOPE)
+endfunction()
+
+run(saved --ranks 2 --steps 40 --policy gradient-sharded --save "${DIR}/ckpt")
+run(resumed_1 --ranks 1 --steps 80 --policy replicated --resume "${DIR}/ckpt" --csv "${DIR}/resumed.csv")
+run(straight_1 --ranks 1 --steps 80 --policy replicated --csv "${DIR}/straight.csv")
+final_loss("${DIR}/resumed.csv" resumed)
+final_loss("${DIR}/straight.csv" straight)
+# |resumed - straight| <= 1e-5 * straight, in fixed point with 9 decimals (CMake's math is integer-only)
+string(REGEX REPLACE "^([0-9]+)\\.([0-9]*)$" "\\1;\\2" a "${resumed}")
+string(REGEX REPLACE "^([0-9]+)\\.([0-9]*)$" "\\1;\\2" b "${straight}")
+foreach(v IN ITEMS a b)
+  list(GET ${v} 0 whole)
+  list(GET ${v} 1 frac)
+  string(SUBSTRING "${frac}000000000" 0 9 frac)
+  string(REGEX REPLACE "^0+([0-9])" "\\1" frac "${frac}")
+  math(EXPR ${v}_fixed "${whole} * 1000000000 + ${frac}")
+endforeach()
+math(EXPR diff "${a_fixed} - ${b_fixed}")
+if(diff LESS 0)
+  math(EXPR diff "-(${diff})")
+endif()
+math(EXPR bound "${b_fixed} / 100000")  # 1e-5 relative
+if(diff GREATER bound)
+  message(FATAL_ERROR "resumed on 1 rank: final loss ${resumed}, an uninterrupted run: ${straight} (more than 1e-5 "
+                      "relative apart)\n${resumed_1_out}")
+endif()
+
+run(resumed_2 --ranks 2 --steps 80 --policy gradient-sharded --resume "${DIR}/ckpt" --save "${DIR}/ckpt")
+run(straight_2 --ranks 2 --steps 80 --policy gradient-sharded)
+if(NOT resumed_2_fingerprint STREQUAL straight_2_fingerprint OR resumed_2_fingerprint STREQUAL "")
+  message(FATAL_ERROR "resumed on 2 ranks: fingerprint ${resumed_2_fingerprint}; an uninterrupted run: "
+                      "${straight_2_fingerprint} (they must be equal)")
+endif()
+
+execute_process(COMMAND "${TOOL}" verify "${DIR}/ckpt" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "step 80, saved by GradientSharded at 2 ranks")
+  message(FATAL_ERROR "tandem_checkpoint verify (${rc}):\n${out}")
+endif()
+execute_process(COMMAND "${TOOL}" consolidate "${DIR}/ckpt" "${DIR}/model.safetensors" RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "tandem_checkpoint consolidate (${rc}):\n${out}")
+endif()
+message(STATUS "resumed on 1 rank: final loss ${resumed} (uninterrupted: ${straight}); on 2 ranks: fingerprint "
+               "${resumed_2_fingerprint}, as uninterrupted")
+file(REMOVE_RECURSE "${DIR}")

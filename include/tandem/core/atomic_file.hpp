@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// AtomicFile: the one way tandem writes a file that others read (checkpoint shards and manifests, the rendezvous
+// blob). It writes a temporary file beside the target, named uniquely for each writer (process id and a per-process
+// count, so that writers in several threads or processes never share one), flushes it to disk and renames it over
+// the target: readers see the old file or the new one, never a part. A writer that fails, or is destroyed before
+// commit(), removes its temporary file; only a crash (or the test hook below) leaves it behind. POSIX.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "tandem/core/error.hpp"
+
+namespace tandem::detail {
+
+/// Test hook: when non-zero, an AtomicFile of this thread fails (as a crash would: its temporary file stays) once it
+/// has written this many bytes. Never set it in production code.
+inline std::size_t& checkpoint_fault_after_bytes() {
+  static thread_local std::size_t bytes = 0;
+  return bytes;
+}
+
+/// A temporary name beside `path` that no other writer uses.
+inline std::string unique_temp_name(const std::string& path) {
+  static std::atomic<std::uint64_t> count{0};
+  return path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(count.fetch_add(1));
+}
+
+class AtomicFile {
+ public:
+  /// Creates the temporary file; `what` names the file in errors ("the checkpoint").
+  AtomicFile(std::string path, std::string what)
+      : path_(std::move(path)), temp_(unique_temp_name(path_)), what_(std::move(what)) {
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail("tandem: cannot create " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  ~AtomicFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_ && !crashed_) ::unlink(temp_.c_str());
+  }
+
+  /// Appends n bytes.
+  void write(const void* data, std::size_t n) {
+    const std::size_t limit = checkpoint_fault_after_bytes();
+    if (limit != 0 && written_ + n > limit) {
+      put(data, limit - written_, written_);
+      ::close(fd_);
+      fd_ = -1;
+      crashed_ = true;  // a crash: the partial temporary file stays behind, as it would
+      fail("tandem: simulated crash while writing " + what_);
+    }
+    put(data, n, written_);
+    written_ += n;
+  }
+  /// Overwrites n bytes at `offset` (inside what was written).
+  void write_at(std::uint64_t offset, const void* data, std::size_t n) { put(data, n, offset); }
+  std::size_t written() const { return written_; }
+  const std::string& path() const { return path_; }
+
+  /// Flushes to disk and renames the temporary file over the target (and makes the rename durable).
+  void commit() {
+    if (::fsync(fd_) != 0) fail("tandem: cannot flush " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+    if (::close(std::exchange(fd_, -1)) != 0)
+      fail("tandem: cannot close " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+    if (::rename(temp_.c_str(), path_.c_str()) != 0)
+      fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
+    committed_ = true;
+    const std::size_t slash = path_.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {  // make the rename itself durable
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+
+ private:
+  void put(const void* data, std::size_t n, std::uint64_t offset) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail("tandem: cannot write " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      offset += static_cast<std::uint64_t>(w);
+    }
+  }
+
+  std::string path_, temp_, what_;
+  int fd_ = -1;
+  std::size_t written_ = 0;
+  bool committed_ = false, crashed_ = false;
+};
+
+}  // namespace tandem::detail

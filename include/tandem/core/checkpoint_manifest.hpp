@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: Apache-2.0
+// A sharded checkpoint is a directory: one safetensors file per rank of the group that saved it, and manifest.json,
+// written last, which names them. The manifest is the set: a checkpoint exists once its manifest is renamed into
+// place, so a save that crashes leaves the previous manifest, and the files it names, as they were.
+//
+//   manifest.json      {"format": "tandem-checkpoint", "version": 2, "step": 120, "policy": "GradientSharded",
+//                       "world_size": 4, "optimizer": "AdamW", "optimizer_fingerprint": "9f3c...", "state_count": 2,
+//                       "param_dtype": "bf16", "bucket_cap_bytes": ..., "first_bucket_cap_bytes": ...,
+//                       "parameters_only": false, "tensors": [{"name": ..., "numel": ..., "dtype": ...}, ...],
+//                       "files": [{"name": ..., "bytes": ..., "header_crc32c": "1a2b3c4d"}, ...]}
+//   <files[r].name>    rank r's part: for every bucket of the saving plan (its tensor list, its world size and bucket
+//                      caps), shard r of it, cut at tensor boundaries into 1-D tensors:
+//                        "<name>" or "<name>[b:e]"          the parameters (elements [b, e) of tensor <name>)
+//                        "master/<name>..."                 the fp32 master weights (16-bit parameters only)
+//                        "state<k>/<name>..."               optimizer state array k (fp32)
+//                      each with its CRC-32C in the file's metadata.
+// A parameters-only checkpoint (tandem_checkpoint import) holds only the parameters, whole, in one file, tensors in any
+// order; loading it sets the parameters, derives the master weights and starts the optimizer state and step at zero.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tandem/core/dtype.hpp"
+#include "tandem/core/error.hpp"
+#include "tandem/core/json.hpp"
+#include "tandem/core/tensor.hpp"
+
+namespace tandem {
+
+struct CheckpointManifest {
+  struct File {
+    std::string name;  ///< relative to the checkpoint's directory
+    std::uint64_t bytes = 0;
+    std::uint32_t header_crc = 0;  ///< CRC-32C of the file's header, which records each tensor's CRC-32C
+  };
+  std::uint64_t step = 0;
+  std::string policy;  ///< the policy that saved it (informational: any policy loads it)
+  std::uint32_t world_size = 1;
+  std::string optimizer;  ///< empty for a parameters-only checkpoint
+  std::uint64_t optimizer_fingerprint = 0;
+  std::uint32_t state_count = 0;
+  DType param_dtype = DType::fp32;
+  std::uint64_t bucket_cap_bytes = 0, first_bucket_cap_bytes = 0;  ///< the saving plan's caps
+  bool parameters_only = false;
+  std::vector<TensorSpec> tensors;
+  std::vector<File> files;
+};
+
+namespace detail {
+
+inline constexpr const char* manifest_name = "manifest.json";
+inline constexpr std::uint64_t manifest_version = 2;
+
+inline std::string hex16(std::uint64_t v) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+
+/// The manifest as JSON (one tensor and one file per line).
+inline std::string manifest_json(const CheckpointManifest& m) {
+  using json::quote;
+  char crc[9];
+  std::string s = "{\"format\": \"tandem-checkpoint\", \"version\": " + std::to_string(manifest_version) +
+                  ", \"step\": " + std::to_string(m.step) + ", \"policy\": " + quote(m.policy) +
+                  ", \"world_size\": " + std::to_string(m.world_size) + ", \"optimizer\": " + quote(m.optimizer) +
+                  ", \"optimizer_fingerprint\": \"" + hex16(m.optimizer_fingerprint) +
+                  "\", \"state_count\": " + std::to_string(m.state_count) + ", \"param_dtype\": \"" +
+                  dtype_name(m.param_dtype) + "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
+                  ", \"first_bucket_cap_bytes\": " + std::to_string(m.first_bucket_cap_bytes) +
+                  ", \"parameters_only\": " + (m.parameters_only ? "true" : "false") + ",\n \"tensors\": [";
+  for (std::size_t i = 0; i < m.tensors.size(); ++i)
+    s += std::string(i == 0 ? "\n" : ",\n") + "  {\"name\": " + quote(m.tensors[i].name) +
+         ", \"numel\": " + std::to_string(m.tensors[i].numel) + ", \"dtype\": \"" + dtype_name(m.tensors[i].dtype) +
+         "\"}";
+  s += "],\n \"files\": [";
+  for (std::size_t i = 0; i < m.files.size(); ++i) {
+    std::snprintf(crc, sizeof crc, "%08x", m.files[i].header_crc);
+    s += std::string(i == 0 ? "\n" : ",\n") + "  {\"name\": " + quote(m.files[i].name) +
+         ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"header_crc32c\": \"" + crc + "\"}";
+  }
+  return s + "]}\n";
+}
+
+/// A dtype from its name ("fp32", "bf16", "fp16", "fp64"), or false.
+inline bool dtype_from_name(const std::string& name, DType& out) {
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16, DType::fp64})
+    if (name == dtype_name(t)) {
+      out = t;
+      return true;
+    }
+  return false;
+}
+
+/// Parses and checks a manifest; `path` names it in errors.
+inline CheckpointManifest parse_manifest(const std::string& text, const std::string& path) {
+  using json::Value;
+  const std::string where = "tandem: the checkpoint manifest `" + path + "` ";
+  const Value root = json::parse(text, "the checkpoint manifest `" + path + "`");
+  auto bad = [&](const std::string& why) -> void { fail(where + why); };
+  auto member = [&](const Value& object, const char* key, Value::Kind kind) -> const Value& {
+    const Value* v = object.kind == Value::Kind::object ? object.find(key) : nullptr;
+    if (v == nullptr || v->kind != kind) bad(std::string("lacks `") + key + "` or it has the wrong type");
+    return *v;
+  };
+  auto count = [&](const Value& object, const char* key, std::uint64_t max) {
+    const Value& v = member(object, key, Value::Kind::number);
+    if (!v.is_count || v.count > max) bad(std::string("has an implausible `") + key + "`");
+    return v.count;
+  };
+  auto hex = [&](const Value& object, const char* key, std::size_t digits) {
+    const std::string& s = member(object, key, Value::Kind::string).string;
+    if (s.size() != digits) bad(std::string("has a malformed `") + key + "`");
+    std::uint64_t v = 0;
+    for (const char c : s) {
+      v <<= 4;
+      if (c >= '0' && c <= '9')
+        v |= static_cast<std::uint64_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<std::uint64_t>(c - 'a' + 10);
+      else
+        bad(std::string("has a malformed `") + key + "`");
+    }
+    return v;
+  };
+  if (member(root, "format", Value::Kind::string).string != "tandem-checkpoint")
+    bad("is not a tandem checkpoint manifest");
+  const std::uint64_t version = count(root, "version", UINT32_MAX);
+  if (version != manifest_version)
+    fail(where + "has format version " + std::to_string(version) + "; this tandem reads version " +
+         std::to_string(manifest_version));
+  CheckpointManifest m;
+  m.step = count(root, "step", UINT64_MAX);
+  m.policy = member(root, "policy", Value::Kind::string).string;
+  m.world_size = static_cast<std::uint32_t>(count(root, "world_size", 1u << 24));
+  if (m.world_size == 0) bad("has world_size 0");
+  m.optimizer = member(root, "optimizer", Value::Kind::string).string;
+  m.optimizer_fingerprint = hex(root, "optimizer_fingerprint", 16);
+  m.state_count = static_cast<std::uint32_t>(count(root, "state_count", 2));
+  if (!dtype_from_name(member(root, "param_dtype", Value::Kind::string).string, m.param_dtype) ||
+      m.param_dtype == DType::fp64)
+    bad("has an unknown param_dtype");
+  m.bucket_cap_bytes = count(root, "bucket_cap_bytes", UINT64_MAX);
+  m.first_bucket_cap_bytes = count(root, "first_bucket_cap_bytes", UINT64_MAX);
+  m.parameters_only = member(root, "parameters_only", Value::Kind::boolean).boolean;
+  for (const Value& t : member(root, "tensors", Value::Kind::array).items) {
+    TensorSpec spec;
+    spec.name = member(t, "name", Value::Kind::string).string;
+    spec.numel = count(t, "numel", max_numel);
+    if (!dtype_from_name(member(t, "dtype", Value::Kind::string).string, spec.dtype) || spec.dtype != m.param_dtype)
+      bad("gives tensor `" + spec.name + "` a dtype other than param_dtype");
+    m.tensors.push_back(std::move(spec));
+  }
+  for (const Value& f : member(root, "files", Value::Kind::array).items) {
+    CheckpointManifest::File file;
+    file.name = member(f, "name", Value::Kind::string).string;
+    if (file.name.empty() || file.name.find('/') != std::string::npos || file.name[0] == '.')
+      bad("names a file outside its directory: `" + file.name + "`");
+    file.bytes = count(f, "bytes", UINT64_MAX);
+    file.header_crc = static_cast<std::uint32_t>(hex(f, "header_crc32c", 8));
+    m.files.push_back(std::move(file));
+  }
+  if (m.files.size() != (m.parameters_only ? 1u : m.world_size))
+    bad("lists " + std::to_string(m.files.size()) + " files for " + std::to_string(m.world_size) + " ranks");
+  if (m.parameters_only && (m.state_count != 0 || m.world_size != 1)) bad("is parameters-only but holds state");
+  return m;
+}
+
+}  // namespace detail
+
+}  // namespace tandem

@@ -1,0 +1,321 @@
+// SPDX-License-Identifier: Apache-2.0
+// The JSON tandem reads and writes: safetensors headers and checkpoint manifests. A small strict parser (RFC 8259:
+// objects, arrays, strings with every escape, numbers, true/false/null; nesting at most 64 deep), which keeps
+// non-negative integers exact up to 2^64 - 1 (byte offsets), and a string quoter for writing. Any malformed input is a
+// tandem::error naming the byte where it went wrong.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tandem/core/error.hpp"
+
+namespace tandem::detail::json {
+
+struct Member;
+
+struct Value {
+  enum class Kind { null, boolean, number, string, array, object };
+  Kind kind = Kind::null;
+  bool boolean = false;
+  double number = 0.0;
+  bool is_count = false;    ///< a non-negative integer, exact in `count`
+  std::uint64_t count = 0;  ///< (is_count)
+  std::string string;
+  std::vector<Value> items;     ///< (array)
+  std::vector<Member> members;  ///< (object), in the text's order
+
+  /// The member named `key` of an object, or null.
+  const Value* find(std::string_view key) const;
+};
+
+/// One member of an object: its name and value.
+struct Member {
+  std::string name;
+  Value value;
+};
+
+inline const Value* Value::find(std::string_view key) const {
+  for (const Member& m : members)
+    if (m.name == key) return &m.value;
+  return nullptr;
+}
+
+/// JSON string literal of s (quoted, with the escapes JSON requires).
+inline std::string quote(std::string_view s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          static const char hex[] = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 0xf];
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+class Parser {
+ public:
+  Parser(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
+
+  Value document() {
+    Value v = value(0);
+    space();
+    if (at_ != text_.size()) bad("extra characters after the value");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void bad(const std::string& why) const {
+    fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");
+  }
+  void space() {
+    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
+      ++at_;
+  }
+  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
+  void expect(char c) {
+    if (peek() != c) bad(std::string("expected '") + c + "'");
+    ++at_;
+  }
+  void literal(std::string_view word) {
+    if (text_.substr(at_, word.size()) != word) bad("unknown literal");
+    at_ += word.size();
+  }
+
+  Value value(int depth) {
+    if (depth > 64) bad("nested more than 64 deep");
+    space();
+    Value v;
+    switch (peek()) {
+      case '{':
+        v.kind = Value::Kind::object;
+        ++at_;
+        space();
+        if (peek() == '}') {
+          ++at_;
+          return v;
+        }
+        for (;;) {
+          space();
+          if (peek() != '"') bad("expected a member name");
+          std::string key = string();
+          space();
+          expect(':');
+          v.members.push_back({std::move(key), value(depth + 1)});
+          space();
+          if (peek() == ',') {
+            ++at_;
+            continue;
+          }
+          expect('}');
+          return v;
+        }
+      case '[':
+        v.kind = Value::Kind::array;
+        ++at_;
+        space();
+        if (peek() == ']') {
+          ++at_;
+          return v;
+        }
+        for (;;) {
+          v.items.push_back(value(depth + 1));
+          space();
+          if (peek() == ',') {
+            ++at_;
+            continue;
+          }
+          expect(']');
+          return v;
+        }
+      case '"':
+        v.kind = Value::Kind::string;
+        v.string = string();
+        return v;
+      case 't':
+        literal("true");
+        v.kind = Value::Kind::boolean;
+        v.boolean = true;
+        return v;
+      case 'f':
+        literal("false");
+        v.kind = Value::Kind::boolean;
+        return v;
+      case 'n':
+        literal("null");
+        return v;
+      default:
+        return number();
+    }
+  }
+
+  Value number() {
+    const std::size_t begin = at_;
+    if (peek() == '-') ++at_;
+    if (peek() == '0') {
+      ++at_;
+    } else if (peek() >= '1' && peek() <= '9') {
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    } else {
+      bad("expected a value");
+    }
+    bool integer = true;
+    if (peek() == '.') {
+      integer = false;
+      ++at_;
+      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit after '.'");
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      integer = false;
+      ++at_;
+      if (peek() == '+' || peek() == '-') ++at_;
+      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit in the exponent");
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    }
+    const std::string digits(text_.substr(begin, at_ - begin));
+    Value v;
+    v.kind = Value::Kind::number;
+    v.number = std::strtod(digits.c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
+    if (integer && digits[0] != '-') {
+      std::uint64_t n = 0;
+      bool exact = true;
+      for (const char c : digits) {
+        const auto d = static_cast<std::uint64_t>(c - '0');
+        if (n > (UINT64_MAX - d) / 10) exact = false;
+        n = n * 10 + d;
+      }
+      v.is_count = exact;
+      v.count = exact ? n : 0;
+    }
+    return v;
+  }
+
+  std::string string() {
+    expect('"');
+    std::string s;
+    for (;;) {
+      if (at_ >= text_.size()) bad("unterminated string");
+      const auto c = static_cast<unsigned char>(text_[at_++]);
+      if (c == '"') return s;
+      if (c < 0x20) bad("a control character in a string");
+      if (c != '\\') {
+        s += static_cast<char>(c);
+        continue;
+      }
+      const char e = peek();
+      ++at_;
+      switch (e) {
+        case '"':
+        case '\\':
+        case '/':
+          s += e;
+          break;
+        case 'b':
+          s += '\b';
+          break;
+        case 'f':
+          s += '\f';
+          break;
+        case 'n':
+          s += '\n';
+          break;
+        case 'r':
+          s += '\r';
+          break;
+        case 't':
+          s += '\t';
+          break;
+        case 'u': {
+          std::uint32_t cp = hex4();
+          if (cp >= 0xD800 && cp <= 0xDBFF) {  // a surrogate pair
+            if (peek() != '\\' || at_ + 1 >= text_.size() || text_[at_ + 1] != 'u') bad("a lone high surrogate");
+            at_ += 2;
+            const std::uint32_t low = hex4();
+            if (low < 0xDC00 || low > 0xDFFF) bad("a high surrogate without its low one");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            bad("a lone low surrogate");
+          }
+          utf8(cp, s);
+          break;
+        }
+        default:
+          bad("an unknown escape");
+      }
+    }
+  }
+
+  std::uint32_t hex4() {
+    std::uint32_t v = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = peek();
+      ++at_;
+      v <<= 4;
+      if (c >= '0' && c <= '9')
+        v |= static_cast<std::uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<std::uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= static_cast<std::uint32_t>(c - 'A' + 10);
+      else
+        bad("expected 4 hex digits after \\u");
+    }
+    return v;
+  }
+
+  static void utf8(std::uint32_t cp, std::string& s) {
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      s += static_cast<char>(0xE0 | (cp >> 12));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      s += static_cast<char>(0xF0 | (cp >> 18));
+      s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+
+  std::string_view text_;
+  std::string what_;
+  std::size_t at_ = 0;
+};
+
+/// Parses `text`; `what` names it in errors ("the manifest `dir/manifest.json`").
+inline Value parse(std::string_view text, const std::string& what) { return Parser(text, what).document(); }
+
+}  // namespace tandem::detail::json

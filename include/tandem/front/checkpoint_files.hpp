@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: Apache-2.0
+// Working with sharded checkpoints outside a training run (the tool examples/tandem_checkpoint is their command line):
+//
+//   verify_checkpoint(dir)                     every file's size and header checksum against the manifest, every
+//                                              tensor's data against its file, and every slice the saving plan cut
+//   consolidate_checkpoint(dir, out, arrays)   the parameters as whole tensors in one safetensors file (with
+//                                              Arrays::all also "master/<name>" and "state<k>/<name>"), for inference,
+//                                              PyTorch or anything else that reads safetensors
+//   import_parameters(in, dir)                 a safetensors file as a parameters-only checkpoint, which
+//                                              DataParallel::load_checkpoint takes as the initial parameters
+//   checkpoint_digest(dir)                     a checksum of the whole state, whatever files hold it
+//
+// Each streams its tensors through a few MiB of host memory, checking every slice against its checksum; none holds a
+// whole model. Each throws tandem::error naming the first fault.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/host.hpp"
+#include "tandem/core/checkpoint_manifest.hpp"
+#include "tandem/core/crc32c.hpp"
+#include "tandem/core/safetensors.hpp"
+#include "tandem/core/tensor.hpp"
+#include "tandem/front/detail/checkpoint_io.hpp"
+
+namespace tandem {
+
+/// What verify_checkpoint found.
+struct CheckpointSummary {
+  CheckpointManifest manifest;
+  std::uint64_t bytes = 0;  ///< of all its files
+};
+
+/// Which arrays consolidate_checkpoint writes.
+enum class Arrays {
+  parameters,  ///< the parameters only (named as the model's tensors)
+  all          ///< also the master weights and optimizer state ("master/<name>", "state<k>/<name>")
+};
+
+namespace detail {
+
+inline CheckpointManifest read_manifest(const std::string& dir) {
+  const std::string path = dir + "/" + manifest_name;
+  return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
+}
+
+inline std::vector<CheckpointArray> arrays_of(const CheckpointManifest& m) {
+  return checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
+}
+
+}  // namespace detail
+
+/// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size.
+TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
+  CheckpointSummary summary{detail::read_manifest(dir), 0};
+  const CheckpointManifest& m = summary.manifest;
+  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+  for (const CheckpointManifest::File& f : m.files) {
+    const SafetensorsFile file(dir + "/" + f.name);
+    if (file.size() != f.bytes)
+      file.corrupt("it is " + std::to_string(file.size()) + " bytes long; the manifest says " +
+                   std::to_string(f.bytes));
+    if (file.header_crc() != f.header_crc) file.corrupt("its header's checksum does not match the manifest's");
+    for (const SafetensorsFile::Tensor& t : file.tensors()) {  // the header's checksums cover the data
+      std::uint32_t recorded = 0, crc = 0;
+      if (!file.recorded_crc(t.name, recorded)) file.corrupt("it records no checksum for `" + t.name + "`");
+      for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
+        file.read(at, chunk.data(), n);
+        crc = detail::crc32c(chunk.data(), n, crc);
+      }
+      if (crc != recorded) file.corrupt("the checksum of `" + t.name + "` does not match its data");
+    }
+    summary.bytes += f.bytes;
+  }
+  // Every slice of every array of every tensor is where the saving plan put it.
+  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+  const HostBackend host;
+  for (const detail::CheckpointArray& a : detail::arrays_of(m))
+    for (std::size_t i = 0; i < m.tensors.size(); ++i)
+      ckpt.read(host, a, i, m.tensors[i], 0, m.tensors[i].numel, nullptr, chunk);
+  return summary;
+}
+
+/// The CRC-32C of every array of every tensor of the checkpoint in `dir`, whole, in layout order: the bytes
+/// consolidate_checkpoint(dir, out, Arrays::all) writes as its data. Equal digests mean bitwise-equal states (the same
+/// parameters, master weights and optimizer state), whatever world size, policy and files saved them.
+TANDEM_COLD inline std::uint32_t checkpoint_digest(const std::string& dir) {
+  const CheckpointManifest m = detail::read_manifest(dir);
+  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+  std::uint32_t crc = 0;
+  for (const detail::CheckpointArray& a : detail::arrays_of(m))
+    for (std::size_t i = 0; i < m.tensors.size(); ++i)
+      ckpt.stream(a, i, m.tensors[i], chunk,
+                  [&](const unsigned char* p, std::size_t n) { crc = detail::crc32c(p, n, crc); });
+  return crc;
+}
+
+/// Writes the checkpoint in `dir` to the safetensors file `out` (atomically), every tensor whole and 1-D, each array
+/// checked against its checksums as it is read. Returns the number of bytes written.
+TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, const std::string& out,
+                                                        Arrays which = Arrays::parameters) {
+  const CheckpointManifest m = detail::read_manifest(dir);
+  std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
+  if (which == Arrays::parameters) arrays.resize(1);
+  std::vector<SafetensorsEntry> entries;
+  for (const detail::CheckpointArray& a : arrays)
+    for (const TensorSpec& t : m.tensors) entries.push_back({a.prefix + t.name, a.dtype, t.numel});
+  SafetensorsWriter writer(out, std::move(entries),
+                           {{"format", "pt"},
+                            {"tandem_step", std::to_string(m.step)},
+                            {"tandem_policy", m.policy},
+                            {"tandem_optimizer", m.optimizer}},
+                           "the consolidated file");
+  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+  for (const detail::CheckpointArray& a : arrays)
+    for (std::size_t i = 0; i < m.tensors.size(); ++i)
+      ckpt.stream(a, i, m.tensors[i], chunk, [&](const unsigned char* p, std::size_t n) { writer.data(p, n); });
+  return writer.commit().bytes;
+}
+
+/// Makes the safetensors file `in` (all of its tensors of one dtype: F32, BF16 or F16; any shapes, flattened) a
+/// parameters-only checkpoint in `dir`, replacing a checkpoint there. Returns its manifest.
+TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, const std::string& dir) {
+  const SafetensorsFile file(in);
+  if (file.tensors().empty()) file.corrupt("it holds no tensors");
+  CheckpointManifest m;
+  m.policy = "imported";
+  m.param_dtype = file.tensors()[0].dtype;
+  m.parameters_only = true;
+  std::vector<SafetensorsEntry> entries;
+  for (const SafetensorsFile::Tensor& t : file.tensors()) {
+    if (t.dtype != m.param_dtype || t.dtype == DType::fp64)
+      detail::fail(
+          "tandem: import_parameters: `" + in + "` holds " + safetensors_dtype(t.dtype) + " tensor `" + t.name + "`" +
+          (t.dtype == m.param_dtype ? "" : std::string(" beside ") + safetensors_dtype(m.param_dtype) + " ones") +
+          "; a model's parameters share one dtype of F32, BF16 or F16");
+    m.tensors.push_back({t.name, static_cast<std::size_t>(t.count()), t.dtype});
+    entries.push_back({t.name, t.dtype, t.count()});
+  }
+  std::filesystem::create_directories(dir);
+  const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";
+  SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", "tandem-checkpoint-shard"}},
+                           "the imported parameters");
+  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+  for (const SafetensorsFile::Tensor& t : file.tensors())  // in the header's order, as the writer declared them
+    for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
+      file.read(at, chunk.data(), n);
+      writer.data(chunk.data(), n);
+    }
+  const SafetensorsSummary s = writer.commit();
+  m.files.push_back({name, s.bytes, s.header_crc});
+  detail::commit_manifest(dir, m);
+  return m;
+}
+
+}  // namespace tandem

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+// The file formats of sharded checkpoints, alone: CRC-32C (its standard check value, the instruction and the tables
+// agreeing on random data, continuation), the JSON parser (every construct, the exact integers, the errors),
+// safetensors files (written, read back, and refused when their header is wrong), and the manifest (written, parsed
+// back, refused).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/temp_path.hpp"
+#include "tandem/core/checkpoint_manifest.hpp"
+#include "tandem/core/crc32c.hpp"
+#include "tandem/core/json.hpp"
+#include "tandem/core/safetensors.hpp"
+
+TEST_CASE("CRC-32C: the check value, the instruction and the tables agree, and it continues") {
+  const char* text = "123456789";
+  CHECK(tandem::detail::crc32c(text, 9) == 0xE3069283u);
+  CHECK(~tandem::detail::crc32c_software(~0u, reinterpret_cast<const unsigned char*>(text), 9) == 0xE3069283u);
+  std::mt19937 rng(5);
+  std::vector<unsigned char> data(100003);
+  for (unsigned char& c : data) c = static_cast<unsigned char>(rng());
+  // Lengths around the interleaved blocks of 3 * crc32c_stream_bytes (one block, one and a remainder, several).
+  const std::size_t block = 3 * tandem::detail::crc32c_stream_bytes;
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, block - 1,
+                        block, block + 9, 2 * block + 8, data.size()}) {
+    CAPTURE(n);
+    const std::uint32_t whole = tandem::detail::crc32c(data.data(), n);
+    CHECK(~tandem::detail::crc32c_software(~0u, data.data(), n) == whole);
+    for (std::size_t cut : {std::size_t{0}, n / 3, n}) {  // CRC of a part, continued over the rest
+      const std::uint32_t first = tandem::detail::crc32c(data.data(), cut);
+      CHECK(tandem::detail::crc32c(data.data() + cut, n - cut, first) == whole);
+    }
+  }
+}
+
+TEST_CASE("JSON: every construct parses, integers stay exact, and malformed text is an error naming the byte") {
+  using tandem::detail::json::parse;
+  using Kind = tandem::detail::json::Value::Kind;
+  const auto v = parse(
+      R"( {"a": [1, -2.5e3, true, false, null], "b": {"c": "x\"\\\/\b\f\n\r\t\u00e9\ud83d\ude00"},
+           "big": 18446744073709551615, "over": 18446744073709551616, "e": []} )",
+      "test");
+  REQUIRE(v.kind == Kind::object);
+  const auto* a = v.find("a");
+  REQUIRE(a != nullptr);
+  REQUIRE(a->items.size() == 5);
+  CHECK(a->items[0].is_count);
+  CHECK(a->items[0].count == 1);
+  CHECK(a->items[1].number == -2500.0);
+  CHECK_FALSE(a->items[1].is_count);
+  CHECK(a->items[2].boolean);
+  CHECK(a->items[4].kind == Kind::null);
+  CHECK(v.find("b")->find("c")->string == "x\"\\/\b\f\n\r\t\xc3\xa9\xf0\x9f\x98\x80");
+  CHECK(v.find("big")->count == UINT64_MAX);
+  CHECK_FALSE(v.find("over")->is_count);
+  CHECK(v.find("e")->items.empty());
+  CHECK(tandem::detail::json::quote("a\"b\\c\nd\x01") == "\"a\\\"b\\\\c\\nd\\u0001\"");
+  CHECK(parse(tandem::detail::json::quote("\x01\x1f\"\\ é"), "round trip").string == "\x01\x1f\"\\ é");
+  for (const char* bad : {"", "{", "[1,]", "{\"a\" 1}", "\"abc", "\"\\x\"", "01", "1.", "1e", "tru", "[1] 2",
+                          "\"\\ud800\"", "\"\\udc00\"", "\"a\nb\""}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(parse(bad, "the input"), doctest::Contains("the input is not valid JSON"), tandem::error);
+  }
+  std::string deep(100, '[');
+  CHECK_THROWS_WITH_AS(parse(deep, "deep"), doctest::Contains("nested more than 64 deep"), tandem::error);
+}
+
+TEST_CASE("safetensors: written in pieces, read back by range, and refused when the header lies") {
+  const std::string path = test::temp_path("format") + ".safetensors";
+  std::vector<float> a(1000);
+  std::vector<std::uint16_t> b(77);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = 0.5f * static_cast<float>(i);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint16_t>(i * 3);
+  {
+    tandem::SafetensorsWriter w(path,
+                                {{"a", tandem::DType::fp32, a.size()},
+                                 {"b[0:77]", tandem::DType::bf16, b.size()},
+                                 {"empty", tandem::DType::fp16, 0}},
+                                {{"format", "pt"}}, "the test file");
+    w.data(a.data(), 100);  // pieces that cross the tensors' boundaries
+    w.data(reinterpret_cast<const char*>(a.data()) + 100, a.size() * 4 - 100);
+    w.data(b.data(), b.size() * 2);
+    const tandem::SafetensorsSummary s = w.commit();
+    CHECK(s.bytes == std::filesystem::file_size(path));
+  }
+  const tandem::SafetensorsFile f(path);
+  REQUIRE(f.tensors().size() == 3);
+  CHECK(*f.metadata("format") == "pt");
+  const auto* tb = f.find("b[0:77]");
+  REQUIRE(tb != nullptr);
+  CHECK(tb->dtype == tandem::DType::bf16);
+  CHECK(tb->shape == std::vector<std::uint64_t>{77});
+  std::vector<std::uint16_t> back(77);
+  f.read(tb->begin, back.data(), back.size() * 2);
+  CHECK(back == b);
+  std::uint32_t crc = 0;
+  CHECK(f.recorded_crc("a", crc));
+  CHECK(crc == tandem::detail::crc32c(a.data(), a.size() * 4));
+  std::remove(path.c_str());
+  // Headers that lie: each refused by tandem::parse_safetensors_header with what is wrong.
+  const std::string ok = R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  CHECK(tandem::parse_safetensors_header(ok, 8, "h").tensors.size() == 1);
+  const std::pair<std::string, const char*> lies[] = {
+      {ok, "do not cover its data section"},  // with 9 data bytes, below
+      {R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", "do not match its shape"},
+      {R"({"x":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", "tandem reads F32"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", "does not start where"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+       "names `x` twice"},
+      {R"({"__metadata__":{"k":1}})", "is not a string"},
+      {R"( {})", "does not start with '{'"},
+      {R"({"x":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", "overflows"},
+  };
+  for (const auto& [text, why] : lies) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(tandem::parse_safetensors_header(text, text == ok ? 9 : 8, "h"), doctest::Contains(why),
+                         tandem::error);
+  }
+}
+
+TEST_CASE("the manifest: written, parsed back the same, and refused when incomplete or of another version") {
+  tandem::CheckpointManifest m;
+  m.step = 12;
+  m.policy = "GradientSharded";
+  m.world_size = 2;
+  m.optimizer = "AdamW";
+  m.optimizer_fingerprint = 0x0123456789abcdefull;
+  m.state_count = 2;
+  m.param_dtype = tandem::DType::bf16;
+  m.bucket_cap_bytes = 1 << 20;
+  m.first_bucket_cap_bytes = 4096;
+  m.tensors = {{"w \"quoted\"", 10, tandem::DType::bf16}, {"b", 3, tandem::DType::bf16}};
+  m.files = {{"r0.safetensors", 100, 0xdeadbeef}, {"r1.safetensors", 200, 7}};
+  const std::string text = tandem::detail::manifest_json(m);
+  const tandem::CheckpointManifest back = tandem::detail::parse_manifest(text, "m");
+  CHECK(back.step == 12);
+  CHECK(back.optimizer_fingerprint == m.optimizer_fingerprint);
+  CHECK(back.param_dtype == tandem::DType::bf16);
+  CHECK(back.tensors[0].name == "w \"quoted\"");
+  CHECK(back.files[0].header_crc == 0xdeadbeef);
+  CHECK(back.files[1].bytes == 200);
+  CHECK(back.bucket_cap_bytes == m.bucket_cap_bytes);
+  auto broken = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    t.replace(t.find(from), from.size(), to);
+    return t;
+  };
+  const std::pair<std::string, const char*> bad[] = {
+      {broken("\"version\": 2", "\"version\": 3"), "format version 3"},
+      {broken("\"tandem-checkpoint\"", "\"other\""), "is not a tandem checkpoint manifest"},
+      {broken("\"step\": 12,", ""), "lacks `step`"},
+      {broken("r1.safetensors", "../r1.safetensors"), "outside its directory"},
+      {broken("\"world_size\": 2", "\"world_size\": 3"), "lists 2 files for 3 ranks"},
+      {broken("\"dtype\": \"bf16\"", "\"dtype\": \"fp32\""), "a dtype other than param_dtype"},
+  };
+  for (const auto& [t, why] : bad) {
+    CAPTURE(why);
+    CHECK_THROWS_WITH_AS(tandem::detail::parse_manifest(t, "m"), doctest::Contains(why), tandem::error);
+  }
+}
