@@ -283,6 +283,46 @@ TEST_CASE("the configuration words tell every difference between ranks apart") {
   }
 }
 
+// WordAgreement against a plain comparison of the words: the lanes are summed in double, in rank order and in
+// reverse (an all-reduce may add in any order), at world sizes up to 2^16, with the largest chunks (every partial sum
+// at its largest) and with words that differ in one bit of a chunk.
+TEST_CASE("WordAgreement finds any difference in the checked bits, exactly, at any world size") {
+  using tandem::detail::WordAgreement;
+  std::mt19937_64 rng(11);
+  auto verdict = [](const std::vector<std::uint64_t>& words, bool reverse) {
+    const int world = static_cast<int>(words.size());
+    double sums[WordAgreement::lanes] = {};
+    for (std::size_t k = 0; k < words.size(); ++k) {
+      const auto lanes = WordAgreement::encode(words[reverse ? words.size() - 1 - k : k], world);
+      for (std::size_t l = 0; l < WordAgreement::lanes; ++l) sums[l] += lanes[l];
+    }
+    return WordAgreement::agree(sums, world);
+  };
+  for (int world : {1, 2, 3, 7, 64, 1000, 4096, 65536}) {
+    CAPTURE(world);
+    const unsigned bits = WordAgreement::chunk_bits(world);
+    CHECK(bits >= 18);
+    const std::uint64_t largest = (std::uint64_t{1} << bits) - 1;
+    for (std::uint64_t word : {std::uint64_t{0}, largest | (largest << 32), std::uint64_t{rng()}}) {
+      std::vector<std::uint64_t> words(static_cast<std::size_t>(world), word);
+      CHECK(verdict(words, false));
+      if (world == 1) continue;
+      for (unsigned bit : {0u, bits - 1, 32u, 31u + bits}) {
+        CAPTURE(bit);
+        std::vector<std::uint64_t> other = words;
+        other[static_cast<std::size_t>(world) / 2] ^= std::uint64_t{1} << bit;
+        CHECK_FALSE(verdict(other, false));
+        CHECK_FALSE(verdict(other, true));
+      }
+      // Differences that cancel in the sum (x + 1 on one rank, x - 1 on another) are still found by the squares.
+      std::vector<std::uint64_t> balanced(static_cast<std::size_t>(world), std::uint64_t{5} | (std::uint64_t{5} << 32));
+      balanced[0] += 1;
+      balanced[1] -= 1;
+      CHECK_FALSE(verdict(balanced, false));
+    }
+  }
+}
+
 TEST_CASE("the user's buffers: null, misaligned and overlapping ones are named") {
   using tandem::detail::validate_user_buffers;
   std::vector<float> memory(100);

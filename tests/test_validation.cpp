@@ -140,6 +140,83 @@ TEST_CASE("optimizer options changed between steps are validated; state cannot a
   for (const std::string& msg : beta) CHECK(msg.find("AdamWOptions::beta1") != std::string::npos);
 }
 
+// An optimizer option changed through optimizer_options() on one rank only: before, the ranks went on with different
+// learning rates and silently diverged. The options' fingerprint rides on the step's scalar all-reduce (with the norm
+// where there is one); the next step throws on every rank before anything is updated, and once the ranks agree again
+// they train on exactly as if the refused step had never been taken.
+TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step throws on every rank, updating nothing",
+                   P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded,
+                   tandem::ParameterSharded) {
+  const std::vector<int> sizes = {13, 37, 29, 7};
+  for (int world : {2, 3})
+    for (float clip : {0.0f, 1.0f}) {
+      std::vector<float> untouched;  // the run without the refused step, compared with the one with it
+      for (bool meddle : {false, true}) {
+        CAPTURE(world);
+        CAPTURE(clip);
+        CAPTURE(meddle);
+        std::mutex m;
+        std::vector<std::string> messages(static_cast<std::size_t>(world));
+        std::vector<std::vector<float>> finals(static_cast<std::size_t>(world));
+        tandem::LocalGroup(world, {.timeout = 5s}).run([&](tandem::LocalComm& comm) {
+          mlp::Mlp<float> model(sizes, 3);
+          std::vector<tandem::TensorSpec> specs;
+          for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
+          test::DataParallel<P, tandem::AdamW> dp(comm, specs, {.lr = 1e-2f}, {.bucket_cap_bytes = 512,
+                                                                              .max_grad_norm = clip});
+          dp.template initialize_parameters<float>(
+              [&](std::size_t i, float* v) { std::copy(model.params()[i].begin(), model.params()[i].end(), v); });
+          auto backward = [&](int step) {
+            for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+              auto grads = dp.gradients(b);
+              for (std::size_t i : grads.tensors())
+                for (std::size_t e = 0; e < specs[i].numel; ++e)
+                  grads.grad(i)[e] = 0.01f * static_cast<float>((e % 5) + i + comm.rank() + step) - 0.02f;
+            }
+          };
+          auto parameters = [&] {
+            std::vector<float> all;
+            for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+              auto params = dp.parameters(b);
+              for (std::size_t i : params.tensors())
+                all.insert(all.end(), params.template param<float>(i), params.template param<float>(i) + specs[i].numel);
+            }
+            return all;
+          };
+          backward(0);
+          dp.step();
+          if (meddle) {
+            const std::vector<float> before = parameters();
+            if (comm.rank() == world - 1) dp.optimizer_options().lr = 2e-2f;
+            backward(1);
+            try {
+              dp.step();
+            } catch (const tandem::error& e) {
+              std::lock_guard lock(m);
+              messages[static_cast<std::size_t>(comm.rank())] = e.what();
+            }
+            CHECK(parameters() == before);
+            CHECK(dp.step_count() == 1);
+            if (comm.rank() == world - 1) dp.optimizer_options().lr = 1e-2f;
+          }
+          backward(2);
+          dp.step();
+          const std::vector<float> after = parameters();
+          std::lock_guard lock(m);
+          finals[static_cast<std::size_t>(comm.rank())] = after;
+        });
+        for (const std::vector<float>& f : finals) CHECK(f == finals[0]);
+        if (!meddle) {
+          untouched = finals[0];
+          continue;
+        }
+        CHECK(finals[0] == untouched);
+        for (const std::string& msg : messages)
+          CHECK(msg.find("the ranks' optimizer options differ at optimizer step 2") != std::string::npos);
+      }
+    }
+}
+
 TEST_CASE("bad options name the option") {
   const std::vector<std::pair<tandem::DataParallelOptions, std::string>> cases = {
       {{.accumulation_steps = 0}, "accumulation_steps"},

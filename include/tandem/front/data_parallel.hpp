@@ -52,6 +52,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -254,8 +255,16 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
-    if (options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore) {
-      result.grad_norm = std::sqrt(global_sum_of_squares(scope)) * average;
+    const bool norm = options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore;
+    const BoundaryScalars agreed = boundary_scalars(scope, norm);
+    if (!agreed.options_agree) {
+      drop_window();
+      detail::fail("tandem: step(): the ranks' optimizer options differ at optimizer step " + std::to_string(step_ + 1) +
+                   " (changed through optimizer_options() on some ranks only?); nothing was updated and the window's "
+                   "gradients were dropped: set the same options on every rank, and the next step() trains on");
+    }
+    if (norm) {
+      result.grad_norm = std::sqrt(agreed.sum_of_squares) * average;
       const bool finite = tandem::finite(result.grad_norm);
       if (!finite && options_.non_finite == NonFinite::throw_error) {
         drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
@@ -1360,31 +1369,54 @@ class DataParallel {
 
   // ---- the optimizer step ---------------------------------------------------------------------------------
 
-  /// The squared global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in
-  /// bucket order) of shard (b, r)'s sum of squares. A rank that owns every shard (replicated state) computes every
-  /// term itself in that order; a rank that owns one computes its own, and one scalar all-reduce adds them in rank
-  /// order. Either way the result is bitwise the same under every policy.
+  /// What the optimizer step's one scalar all-reduce returns.
+  struct BoundaryScalars {
+    double sum_of_squares = 0.0;  ///< the squared global gradient norm, when asked for
+    bool options_agree = true;    ///< every rank's optimizer options have the same fingerprint
+  };
+
+  /// The optimizer step's one scalar all-reduce, in backend memory. It carries the optimizer options' fingerprint
+  /// (detail::WordAgreement's lanes: options changed through optimizer_options() on some ranks only are found before
+  /// anything is updated, at no collective of their own where the norm is reduced anyway) and, when `norm`, the squared
+  /// global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in bucket order) of shard
+  /// (b, r)'s sum of squares. A rank that owns every shard (replicated state) computes every term itself in that order;
+  /// a rank that owns one computes its own, and the all-reduce adds them in rank order. Either way the norm is bitwise
+  /// the same under every policy.
   ///
-  /// Every term is summed into backend memory, combined there in that order (OrderedSumBody), all-reduced there,
-  /// and only the total is read back: the one point where step() waits for the work stream (docs/cuda.md).
-  double global_sum_of_squares(const StreamScope&) {
+  /// The terms are combined in backend memory in that order (OrderedSumBody), all-reduced there with the lanes, and
+  /// only the total and the lanes are read back: the one point where step() waits for the work stream (docs/cuda.md).
+  /// With one rank and no norm nothing runs.
+  BoundaryScalars boundary_scalars(const StreamScope&, bool norm) {
+    constexpr std::size_t lanes = detail::WordAgreement::lanes;
+    const bool check = world_ > 1;
+    if (!norm && !check) return {};
     const std::size_t buckets = plan_.num_buckets();
     const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
     const std::size_t gsize = reduced_size();
-    double* terms = state_.norm_terms(backend_, shards * buckets + 1);
-    double* total = terms + shards * buckets;
-    for (std::size_t g = 0; g < shards; ++g)
-      for (std::size_t b = 0; b < buckets; ++b) {
-        const std::size_t n = plan_.bucket(b).shard_size;
-        const auto* x = static_cast<const unsigned char*>(owned_grads(b)) + g * n * gsize;
-        kernels_.sum_squares(backend_, x, n, terms + g * buckets + b, work_stream());
-      }
-    backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
-    if (!owns_every_shard<P>(world_))  // each rank holds its own shards' terms
-      comm_.all_reduce(total, total, 1, DType::fp64, ReduceOp::sum, work_stream());
-    double host = 0.0;
-    backend_.read(&host, total, sizeof host, work_stream());
-    return host;
+    double* terms = state_.norm_terms(backend_, shards * buckets + 1 + lanes);
+    double* total = terms + shards * buckets;  // then the lanes
+    if (norm) {
+      for (std::size_t g = 0; g < shards; ++g)
+        for (std::size_t b = 0; b < buckets; ++b) {
+          const std::size_t n = plan_.bucket(b).shard_size;
+          const auto* x = static_cast<const unsigned char*>(owned_grads(b)) + g * n * gsize;
+          kernels_.sum_squares(backend_, x, n, terms + g * buckets + b, work_stream());
+        }
+      backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
+    }
+    std::array<double, 1 + lanes> host{};
+    if (check) {
+      const std::array<double, lanes> mine = detail::WordAgreement::encode(optimizer_fingerprint(), world_);
+      std::copy(mine.begin(), mine.end(), host.begin() + 1);
+      backend_.copy(total + 1, host.data() + 1, lanes * sizeof(double), work_stream());  // `host` outlives the read
+      const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
+      double* first = with_total ? total : total + 1;
+      comm_.all_reduce(first, first, lanes + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum, work_stream());
+    }
+    const std::size_t skip = norm ? 0 : 1;
+    backend_.read(host.data() + skip, total + skip, (1 - skip + (check ? lanes : 0)) * sizeof(double), work_stream());
+    return {.sum_of_squares = host[0],
+            .options_agree = !check || detail::WordAgreement::agree(host.data() + 1, world_)};
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).

@@ -114,7 +114,7 @@ class TrainingState {
 
   /// The gradient norm's scratch: `n` doubles, allocated at the first use of that size.
   double* norm_terms(const Backend& backend, std::size_t n) {
-    if (norm_.size() != n) norm_ = allocate_named<double>(backend, n, "the gradient norm's terms");
+    if (norm_.size() != n) norm_ = allocate_named<double>(backend, n, "the optimizer step's scalars");
     return norm_.data();
   }
 
