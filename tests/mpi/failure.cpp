@@ -3,9 +3,12 @@
 //   kill   the last rank raise(SIGKILL)s itself at step 5 (no word to anyone)
 //   throw  the last rank throws at step 5; its tandem::Mpi is destroyed by the exception
 //   abort  the last rank throws at step 5 and passes the exception's text on with Mpi::abort
-// Every rank that catches an exception prints "[mpi_failure] rank R caught <type>: <what>" and exits with status 3
+// Just before it fails, the last rank prints "[mpi_failure] rank R fails at T us; liveness interval L ms". Every rank
+// that catches an exception prints "[mpi_failure] rank R caught <type> at T us: <what>" and exits with status 3
 // without MPI_Finalize (MPI cannot finalize with a dead peer); a rank that finishes training prints
-// "[mpi_failure] rank R finished", which the driver treats as a failure of the test.
+// "[mpi_failure] rank R finished", which the driver treats as a failure of the test. T is steady_clock
+// (CLOCK_MONOTONIC, one clock for every process on a host) in microseconds, so the driver can tell how long after the
+// failure each rank reported it.
 #include <mpi.h>
 
 #include <chrono>
@@ -21,8 +24,13 @@
 
 namespace {
 
+long long now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 int report(int rank, const char* type, const char* what) {
-  std::fprintf(stderr, "[mpi_failure] rank %d caught %s: %s\n", rank, type, what);
+  std::fprintf(stderr, "[mpi_failure] rank %d caught %s at %lld us: %s\n", rank, type, now_us(), what);
   std::fflush(stderr);
   return 3;
 }
@@ -32,14 +40,18 @@ int train(const std::string& mode, int rank, int size) {
   setup.steps = 400;  // far more than the failure needs: finishing means nobody noticed
   const mlp::Dataset data = test::make_dataset(setup);
   const int victim = size - 1;
+  const tandem::MpiOptions options{.timeout = std::chrono::seconds(60)};  // liveness_interval: the default, 100 ms
   const auto hook = [&](int step, int) {
     if (rank != victim || step != 5) return;
+    std::fprintf(stderr, "[mpi_failure] rank %d fails at %lld us; liveness interval %lld ms\n", rank, now_us(),
+                 static_cast<long long>(options.liveness_interval.count()));
+    std::fflush(stderr);
     if (mode == "kill") std::raise(SIGKILL);
     throw std::runtime_error("injected failure on rank " + std::to_string(rank) + " at step 5");
   };
   const tandem::AdamWOptions adamw{.lr = 1e-3f};
   if (mode == "abort") {
-    tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)});
+    tandem::Mpi comm(MPI_COMM_WORLD, options);
     try {
       test::train_rank<tandem::GradientSharded, tandem::AdamW, float>(comm, setup, data, adamw, hook);
     } catch (const std::exception& e) {
@@ -47,7 +59,7 @@ int train(const std::string& mode, int rank, int size) {
       throw;
     }
   } else {
-    tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = std::chrono::seconds(60)});
+    tandem::Mpi comm(MPI_COMM_WORLD, options);
     test::train_rank<tandem::GradientSharded, tandem::AdamW, float>(comm, setup, data, adamw, hook);
   }
   std::fprintf(stderr, "[mpi_failure] rank %d finished\n", rank);

@@ -41,7 +41,10 @@
 // a freed communicator would corrupt the next one); where the handshake does not complete, the duplicate is kept until
 // MPI_Finalize instead.
 // After any of these the communicator is unusable (its pending messages are cancelled; every later call throws), and
-// MPI itself usually is too: report the error and end the process with a non-zero status (docs/launching.md).
+// MPI itself usually is too: report the error and end the process with a non-zero status (docs/launching.md). Before
+// it throws, a failing rank cancels its transfers and tells its peers, waiting briefly for both, but never for a
+// transfer with a dead peer or a send to a failed one (Open MPI leaves those pending for ever): a rank that finds a
+// dead peer throws about liveness_interval after the death (tests/mpi/run_failure.cmake checks it).
 //
 // Errors of MPI calls throw tandem::mpi_error (TANDEM_MPI_CHECK): the communicator is a duplicate of the one passed
 // in, with MPI_ERRORS_RETURN set, so MPI returns its errors instead of aborting the job.
@@ -697,12 +700,18 @@ class Mpi {
     return s;
   }
 
+  /// True only when rank q's process certainly no longer runs (it is on this host, and the liveness check is on).
+  bool peer_gone(int q) const {
+    if (options_.liveness_interval.count() <= 0 || q < 0 || q >= static_cast<int>(peers_.size())) return false;
+    const Peer& p = peers_[static_cast<std::size_t>(q)];
+    return p.same_host && detail::process_gone(p.process);
+  }
+
   void check_liveness(const detail::MpiPending& pending, const char* name) const {
     for (std::size_t i = 0; i < pending.requests.size(); ++i) {
       const int q = pending.peers[i];
-      if (pending.requests[i] == MPI_REQUEST_NULL || q < 0 || peers_.empty()) continue;
+      if (pending.requests[i] == MPI_REQUEST_NULL || !peer_gone(q)) continue;
       const Peer& p = peers_[static_cast<std::size_t>(q)];
-      if (!p.same_host || !detail::process_gone(p.process)) continue;
       throw peer_error("tandem: " + std::string(name) + " on rank " + std::to_string(rank_) +
                        " cannot complete: rank " + std::to_string(q) + " (process " + std::to_string(p.process.pid) +
                        " on this host) is gone: it exited or was killed without a word (its launcher's output says "
@@ -732,6 +741,7 @@ class Mpi {
         continue;  // not from this communicator's peers (defensive: see ~Mpi)
       peers_[static_cast<std::size_t>(q)].left = true;
       if (notice.kind == detail::MpiNoticeKind::failed) {
+        peers_[static_cast<std::size_t>(q)].failed = true;
         if (!peer_failure_)
           peer_failure_ = "tandem: rank " + std::to_string(q) +
                           " failed: " + detail::text_of(notice.message, sizeof(notice.message));
@@ -780,8 +790,65 @@ class Mpi {
     }
   }
 
-  /// Sends a notice to every other rank from a heap buffer, waits about a second at most for the sends to leave, and
-  /// leaks the buffer if they did not. Never throws.
+  /// True when rank q sent a failure notice: it cancelled its own transfers and takes no part in any more.
+  bool peer_failed(int q) const {
+    return q >= 0 && q < static_cast<int>(peers_.size()) && peers_[static_cast<std::size_t>(q)].failed;
+  }
+
+  /// receive_notices, for the failure paths: what cannot be received now is left for later. Never throws.
+  void refresh_notices() noexcept {
+    if (comm_ == MPI_COMM_NULL || !hello_done_) return;
+    try {
+      receive_notices();
+    } catch (...) {
+    }
+  }
+
+  /// Waits until each request of `pending` completed, `patience` passed, or the transfer cannot end any more, then
+  /// frees the requests that did not complete and returns whether there were any (MPI may still use their buffers). A
+  /// transfer cannot end once its peer's process is gone (peer_gone), nor a send once its peer failed (peer_failed):
+  /// Open MPI cannot cancel a send whose transfer began, and such a send stays pending; waiting for it would hold this
+  /// rank's error back for the whole of `patience`. Checked every millisecond, with the notices that arrived
+  /// meanwhile. (A receive from a failed peer whose process still runs is waited for: its data may still come.) Never
+  /// throws.
+  bool settle(detail::MpiPending& pending, Clock::duration patience) noexcept {
+    std::vector<MPI_Request>& requests = pending.requests;
+    try {
+      const Clock::time_point until = Clock::now() + patience;
+      Clock::time_point next_check = Clock::now();
+      std::vector<std::size_t> waiting;  // requests neither complete, failed, nor given up
+      for (std::size_t i = 0; i < requests.size(); ++i)
+        if (requests[i] != MPI_REQUEST_NULL) waiting.push_back(i);
+      while (!waiting.empty()) {
+        std::erase_if(waiting, [&](std::size_t i) {
+          int done = 0;
+          return MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done != 0;
+        });
+        const Clock::time_point now = Clock::now();
+        if (waiting.empty() || now >= until) break;
+        if (now >= next_check) {
+          refresh_notices();
+          std::erase_if(waiting, [&](std::size_t i) {
+            const int q = pending.peers[i];
+            return (!pending.receiving[i] && peer_failed(q)) || peer_gone(q);
+          });
+          next_check = now + std::chrono::milliseconds(1);
+        }
+        std::this_thread::yield();
+      }
+    } catch (...) {  // no memory to track the requests: free them now
+    }
+    bool freed = false;
+    for (MPI_Request& r : requests)
+      if (r != MPI_REQUEST_NULL) {
+        MPI_Request_free(&r);
+        freed = true;
+      }
+    return freed;
+  }
+
+  /// Sends a notice to every other rank that still takes part (neither failed nor gone) from a heap buffer, waits about
+  /// a second at most for the sends to leave (settle), and leaks the buffer if they did not. Never throws.
   void notify(detail::MpiNoticeKind kind, std::string_view message) noexcept {
     if (comm_ == MPI_COMM_NULL || !hello_done_) return;
     try {
@@ -790,23 +857,16 @@ class Mpi {
       notice->calls = calls_;
       notice->kind = kind;
       detail::copy_text(notice->message, sizeof(notice->message), message);
-      std::vector<MPI_Request> requests;
+      detail::MpiPending sends;
+      refresh_notices();
       for (int q = 0; q < size_; ++q) {
-        if (q == rank_) continue;
+        if (q == rank_ || peer_failed(q) || peer_gone(q)) continue;
         MPI_Request r = MPI_REQUEST_NULL;
         if (MPI_Isend(notice.get(), sizeof(detail::MpiNotice), MPI_BYTE, q, detail::kMpiNoticeTag, comm_, &r) ==
             MPI_SUCCESS)
-          requests.push_back(r);
+          sends.add(r, q, false);
       }
-      const Clock::time_point until = Clock::now() + std::chrono::seconds(1);
-      int done = 0;
-      while (MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE) ==
-                 MPI_SUCCESS &&
-             !done && Clock::now() < until)
-        std::this_thread::yield();
-      if (!done) {
-        for (MPI_Request& r : requests)
-          if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      if (settle(sends, std::chrono::seconds(1))) {
         notice.release();  // MPI may still read it
         leaked_ = true;
       }
@@ -831,21 +891,11 @@ class Mpi {
     }
   }
 
-  /// Cancels every request of the call in flight, waits briefly for the cancellations, and frees what remains.
+  /// Cancels every request of the call in flight, waits briefly for the cancellations (settle), and frees what remains.
   void cancel_in_flight() noexcept {
     for (MPI_Request& r : in_flight_.requests)
       if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-    const Clock::time_point until = Clock::now() + std::chrono::milliseconds(200);
-    for (MPI_Request& r : in_flight_.requests) {
-      int done = 0;
-      while (r != MPI_REQUEST_NULL && MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
-             Clock::now() < until)
-        std::this_thread::yield();
-      if (r != MPI_REQUEST_NULL && !done) {
-        MPI_Request_free(&r);
-        leaked_ = true;
-      }
-    }
+    if (settle(in_flight_, std::chrono::milliseconds(200))) leaked_ = true;
     in_flight_.clear();
     if (leaked_ && staging_.bytes() != 0) {  // a receive MPI could not cancel may still write into it
       try {
@@ -859,7 +909,8 @@ class Mpi {
     std::uint64_t nonce = 0;
     detail::ProcessIdentity process;
     bool same_host = false;
-    bool left = false;  // it sent a departure or failure notice
+    bool left = false;    // it sent a departure or failure notice
+    bool failed = false;  // it sent a failure notice
   };
 
   MPI_Comm comm_ = MPI_COMM_NULL;
