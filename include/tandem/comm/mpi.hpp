@@ -261,6 +261,11 @@ struct MpiPending {
   bool done() const {
     return std::all_of(requests.begin(), requests.end(), [](MPI_Request r) { return r == MPI_REQUEST_NULL; });
   }
+  void reserve(std::size_t n) {
+    requests.reserve(n);
+    peers.reserve(n);
+    receiving.reserve(n);
+  }
   void clear() {
     requests.clear();
     peers.clear();
@@ -858,6 +863,7 @@ class Mpi {
       notice->kind = kind;
       detail::copy_text(notice->message, sizeof(notice->message), message);
       detail::MpiPending sends;
+      sends.reserve(static_cast<std::size_t>(size_));  // no allocation between a send's start and its tracking
       refresh_notices();
       for (int q = 0; q < size_; ++q) {
         if (q == rank_ || peer_failed(q) || peer_gone(q)) continue;

@@ -20,12 +20,12 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/json.hpp"
 #include "tandem/core/tensor.hpp"
 
@@ -55,16 +55,9 @@ namespace detail {
 inline constexpr const char* manifest_name = "manifest.json";
 inline constexpr std::uint64_t manifest_version = 2;
 
-inline std::string hex16(std::uint64_t v) {
-  char text[17];
-  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
-  return text;
-}
-
 /// The manifest as JSON (one tensor and one file per line).
 inline std::string manifest_json(const CheckpointManifest& m) {
   using json::quote;
-  char crc[9];
   std::string s = "{\"format\": \"tandem-checkpoint\", \"version\": " + std::to_string(manifest_version) +
                   ", \"step\": " + std::to_string(m.step) + ", \"policy\": " + quote(m.policy) +
                   ", \"world_size\": " + std::to_string(m.world_size) + ", \"optimizer\": " + quote(m.optimizer) +
@@ -79,9 +72,9 @@ inline std::string manifest_json(const CheckpointManifest& m) {
          "\"}";
   s += "],\n \"files\": [";
   for (std::size_t i = 0; i < m.files.size(); ++i) {
-    std::snprintf(crc, sizeof crc, "%08x", m.files[i].header_crc);
     s += std::string(i == 0 ? "\n" : ",\n") + "  {\"name\": " + quote(m.files[i].name) +
-         ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"header_crc32c\": \"" + crc + "\"}";
+         ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"header_crc32c\": \"" +
+         hex8(m.files[i].header_crc) + "\"}";
   }
   return s + "]}\n";
 }
@@ -113,18 +106,9 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
     return v.count;
   };
   auto hex = [&](const Value& object, const char* key, std::size_t digits) {
-    const std::string& s = member(object, key, Value::Kind::string).string;
-    if (s.size() != digits) bad(std::string("has a malformed `") + key + "`");
     std::uint64_t v = 0;
-    for (const char c : s) {
-      v <<= 4;
-      if (c >= '0' && c <= '9')
-        v |= static_cast<std::uint64_t>(c - '0');
-      else if (c >= 'a' && c <= 'f')
-        v |= static_cast<std::uint64_t>(c - 'a' + 10);
-      else
-        bad(std::string("has a malformed `") + key + "`");
-    }
+    if (!parse_hex(member(object, key, Value::Kind::string).string, digits, v))
+      bad(std::string("has a malformed `") + key + "`");
     return v;
   };
   if (member(root, "format", Value::Kind::string).string != "tandem-checkpoint")

@@ -31,6 +31,7 @@
 #include "tandem/core/crc32c.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/json.hpp"
 
 namespace tandem {
@@ -68,12 +69,6 @@ namespace detail {
 
 /// The largest header tandem reads (the reference implementation's limit).
 inline constexpr std::uint64_t safetensors_max_header = std::uint64_t{100} << 20;
-
-inline std::string hex8(std::uint32_t v) {
-  char text[9];
-  std::snprintf(text, sizeof text, "%08x", v);
-  return text;
-}
 
 }  // namespace detail
 
@@ -374,17 +369,10 @@ class SafetensorsFile {
   /// The CRC-32C that the file's metadata records for tensor `name` (crc32c/<name>), if it records one.
   bool recorded_crc(std::string_view name, std::uint32_t& crc) const {
     const std::string* v = metadata("crc32c/" + std::string(name));
-    if (v == nullptr || v->size() != 8) return false;
-    crc = 0;
-    for (const char c : *v) {
-      crc <<= 4;
-      if (c >= '0' && c <= '9')
-        crc |= static_cast<std::uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f')
-        crc |= static_cast<std::uint32_t>(c - 'a' + 10);
-      else
-        corrupt("the checksum of `" + std::string(name) + "` is not 8 hex digits");
-    }
+    if (v == nullptr) return false;
+    std::uint64_t value = 0;
+    if (!detail::parse_hex(*v, 8, value)) corrupt("the checksum of `" + std::string(name) + "` is not 8 hex digits");
+    crc = static_cast<std::uint32_t>(value);
     return true;
   }
 

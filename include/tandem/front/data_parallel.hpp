@@ -1284,6 +1284,7 @@ class DataParallel {
   TANDEM_COLD void allocate() {
     state_ = detail::TrainingState<Backend>(backend_, buffers_for<P>(buffer_inputs()), pdtype_, options_.reduce_dtype,
                                             Opt::state_count(groups_[0]), work_stream());
+    state_.step_scalars(backend_, step_scalars_size());  // here, where every rank agrees on its allocations
     kernels_ = detail::BucketKernels<Opt, Backend>::make(pdtype_, options_.reduce_dtype, state_.grad_shard_dtype());
     gathered_ = detail::GatherSlots(state_.gather_buffers());
     for (std::size_t k = 0; k < state_.gather_buffers(); ++k) {
@@ -1369,6 +1370,13 @@ class DataParallel {
 
   // ---- the optimizer step ---------------------------------------------------------------------------------
 
+  /// Doubles of the optimizer step's scalars: the norm's terms (one per owned shard and bucket), their total, and the
+  /// options check's lanes.
+  std::size_t step_scalars_size() const {
+    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 +
+           detail::WordAgreement::lanes;
+  }
+
   /// What the optimizer step's one scalar all-reduce returns.
   struct BoundaryScalars {
     double sum_of_squares = 0.0;  ///< the squared global gradient norm, when asked for
@@ -1393,7 +1401,7 @@ class DataParallel {
     const std::size_t buckets = plan_.num_buckets();
     const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
     const std::size_t gsize = reduced_size();
-    double* terms = state_.norm_terms(backend_, shards * buckets + 1 + lanes);
+    double* terms = state_.step_scalars(backend_, step_scalars_size());  // allocated at construction
     double* total = terms + shards * buckets;  // then the lanes
     if (norm) {
       for (std::size_t g = 0; g < shards; ++g)
@@ -1404,15 +1412,17 @@ class DataParallel {
         }
       backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
     }
-    std::array<double, 1 + lanes> host{};
     if (check) {
       const std::array<double, lanes> mine = detail::WordAgreement::encode(optimizer_fingerprint(), world_);
-      std::copy(mine.begin(), mine.end(), host.begin() + 1);
-      backend_.copy(total + 1, host.data() + 1, lanes * sizeof(double), work_stream());  // `host` outlives the read
+      StoreValuesBody store{.out = total + 1, .count = lanes};
+      static_assert(lanes <= std::size(store.values));
+      std::copy(mine.begin(), mine.end(), store.values);
+      backend_.launch(1, store, work_stream());
       const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
       double* first = with_total ? total : total + 1;
       comm_.all_reduce(first, first, lanes + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum, work_stream());
     }
+    std::array<double, 1 + lanes> host{};
     const std::size_t skip = norm ? 0 : 1;
     backend_.read(host.data() + skip, total + skip, (1 - skip + (check ? lanes : 0)) * sizeof(double), work_stream());
     return {.sum_of_squares = host[0],

@@ -60,4 +60,18 @@ struct OrderedSumBody {
   }
 };
 
+/// Stores the values it was launched with: out[k] = values[k] for k < count (at most 4). Host values reach backend
+/// memory in stream order this way without a host buffer that must outlive the copy (the optimizer step's options
+/// check, whose all-reduce may throw before a queued copy ran). One item; lane 0 stores.
+struct StoreValuesBody {
+  double* out = nullptr;
+  double values[4] = {};
+  std::size_t count = 0;
+
+  TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
+    if (lane != 0) return;
+    for (std::size_t k = 0; k < count; ++k) out[k] = values[k];
+  }
+};
+
 }  // namespace tandem

@@ -259,8 +259,13 @@ class ShardedCheckpoint {
       std::uint32_t crc = 0;
       const std::uint64_t bytes = (end - begin) * size;
       if (unsigned char* into = direct(begin, end)) {
-        f.read(t->begin, into, static_cast<std::size_t>(bytes));
-        crc = crc32c(into, static_cast<std::size_t>(bytes));
+        // In pieces of 1 MiB, each checksummed while it is still in the cache it was just read through.
+        constexpr std::uint64_t piece_bytes = std::uint64_t{1} << 20;
+        for (std::uint64_t at = 0; at < bytes; at += piece_bytes) {
+          const auto n = static_cast<std::size_t>(std::min(piece_bytes, bytes - at));
+          f.read(t->begin + at, into + at, n);
+          crc = crc32c(into + at, n, crc);
+        }
         if (crc != expected)
           f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " +
                     hex8(expected) + ")");

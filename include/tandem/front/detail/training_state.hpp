@@ -112,10 +112,11 @@ class TrainingState {
   std::size_t grad_flat_bytes() const { return grad_flat_.bytes(); }
   unsigned char* reduce_buffer() const { return reduce_.data(); }
 
-  /// The gradient norm's scratch: `n` doubles, allocated at the first use of that size.
-  double* norm_terms(const Backend& backend, std::size_t n) {
-    if (norm_.size() != n) norm_ = allocate_named<double>(backend, n, "the optimizer step's scalars");
-    return norm_.data();
+  /// The optimizer step's scalars (the norm's terms and total, the options check's lanes): `n` doubles, allocated at
+  /// the first call with that size (DataParallel makes it at construction).
+  double* step_scalars(const Backend& backend, std::size_t n) {
+    if (scalars_.size() != n) scalars_ = allocate_named<double>(backend, n, "the optimizer step's scalars");
+    return scalars_.data();
   }
 
  private:
@@ -130,7 +131,7 @@ class TrainingState {
   Buffer<float> state_[2];
   Buffer<float> grad_flat_, staging_, grad_slots_;
   Buffer<unsigned char> grad_shard_, reduce_;
-  Buffer<double> norm_;
+  Buffer<double> scalars_;
 };
 
 }  // namespace tandem::detail
