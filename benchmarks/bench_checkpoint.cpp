@@ -34,7 +34,9 @@ namespace {
 std::atomic<std::size_t> allocated{0}, peak{0};
 }  // namespace
 
-void* operator new(std::size_t n) {
+// Not inlined: where GCC inlines them into the standard containers' code, it sees `free` of a pointer 16 bytes before
+// what `operator new` returned and warns (-Warray-bounds, -Wmismatched-new-delete), wrongly.
+__attribute__((noinline)) void* operator new(std::size_t n) {
   void* p = std::malloc(n + 16);
   if (p == nullptr) throw std::bad_alloc();
   *static_cast<std::size_t*>(p) = n;
@@ -44,13 +46,13 @@ void* operator new(std::size_t n) {
   }
   return static_cast<char*>(p) + 16;
 }
-void operator delete(void* p) noexcept {
+__attribute__((noinline)) void operator delete(void* p) noexcept {
   if (p == nullptr) return;
   char* block = static_cast<char*>(p) - 16;
   allocated.fetch_sub(*reinterpret_cast<std::size_t*>(block));
   std::free(block);
 }
-void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
+__attribute__((noinline)) void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
 
 namespace {
 
