@@ -145,8 +145,7 @@ TEST_CASE("optimizer options changed between steps are validated; state cannot a
 // where there is one); the next step throws on every rank before anything is updated, and once the ranks agree again
 // they train on exactly as if the refused step had never been taken.
 TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step throws on every rank, updating nothing",
-                   P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded,
-                   tandem::ParameterSharded) {
+                   P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
   const std::vector<int> sizes = {13, 37, 29, 7};
   for (int world : {2, 3})
     for (float clip : {0.0f, 1.0f}) {
@@ -162,8 +161,8 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
           mlp::Mlp<float> model(sizes, 3);
           std::vector<tandem::TensorSpec> specs;
           for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
-          test::DataParallel<P, tandem::AdamW> dp(comm, specs, {.lr = 1e-2f}, {.bucket_cap_bytes = 512,
-                                                                              .max_grad_norm = clip});
+          test::DataParallel<P, tandem::AdamW> dp(comm, specs, {.lr = 1e-2f},
+                                                  {.bucket_cap_bytes = 512, .max_grad_norm = clip});
           dp.template initialize_parameters<float>(
               [&](std::size_t i, float* v) { std::copy(model.params()[i].begin(), model.params()[i].end(), v); });
           auto backward = [&](int step) {
@@ -179,7 +178,8 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
             for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
               auto params = dp.parameters(b);
               for (std::size_t i : params.tensors())
-                all.insert(all.end(), params.template param<float>(i), params.template param<float>(i) + specs[i].numel);
+                all.insert(all.end(), params.template param<float>(i),
+                           params.template param<float>(i) + specs[i].numel);
             }
             return all;
           };

@@ -73,8 +73,8 @@ inline std::string manifest_json(const CheckpointManifest& m) {
   s += "],\n \"files\": [";
   for (std::size_t i = 0; i < m.files.size(); ++i) {
     s += std::string(i == 0 ? "\n" : ",\n") + "  {\"name\": " + quote(m.files[i].name) +
-         ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"header_crc32c\": \"" +
-         hex8(m.files[i].header_crc) + "\"}";
+         ", \"bytes\": " + std::to_string(m.files[i].bytes) + ", \"header_crc32c\": \"" + hex8(m.files[i].header_crc) +
+         "\"}";
   }
   return s + "]}\n";
 }

@@ -62,8 +62,7 @@ class Crc32cShift {
   Crc32cShift() {
     static constexpr std::array<unsigned char, crc32c_stream_bytes> zeros{};
     std::array<std::uint32_t, 32> bit{};
-    for (std::size_t i = 0; i < 32; ++i)
-      bit[i] = crc32c_software(std::uint32_t{1} << i, zeros.data(), zeros.size());
+    for (std::size_t i = 0; i < 32; ++i) bit[i] = crc32c_software(std::uint32_t{1} << i, zeros.data(), zeros.size());
     for (std::size_t k = 0; k < 4; ++k)
       for (std::uint32_t b = 0; b < 256; ++b) {
         std::uint32_t v = 0;

@@ -259,7 +259,8 @@ class DataParallel {
     const BoundaryScalars agreed = boundary_scalars(scope, norm);
     if (!agreed.options_agree) {
       drop_window();
-      detail::fail("tandem: step(): the ranks' optimizer options differ at optimizer step " + std::to_string(step_ + 1) +
+      detail::fail("tandem: step(): the ranks' optimizer options differ at optimizer step " +
+                   std::to_string(step_ + 1) +
                    " (changed through optimizer_options() on some ranks only?); nothing was updated and the window's "
                    "gradients were dropped: set the same options on every rank, and the next step() trains on");
     }
@@ -1373,8 +1374,7 @@ class DataParallel {
   /// Doubles of the optimizer step's scalars: the norm's terms (one per owned shard and bucket), their total, and the
   /// options check's lanes.
   std::size_t step_scalars_size() const {
-    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 +
-           detail::WordAgreement::lanes;
+    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 + detail::WordAgreement::lanes;
   }
 
   /// What the optimizer step's one scalar all-reduce returns.
@@ -1402,7 +1402,8 @@ class DataParallel {
     const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
     const std::size_t gsize = reduced_size();
     double* terms = state_.step_scalars(backend_, step_scalars_size());  // allocated at construction
-    double* total = terms + shards * buckets;  // then the lanes
+    // terms: one per owned shard and bucket, then their total, then the lanes
+    double* total = terms + shards * buckets;
     if (norm) {
       for (std::size_t g = 0; g < shards; ++g)
         for (std::size_t b = 0; b < buckets; ++b) {
