@@ -258,24 +258,17 @@ class ShardedCheckpoint {
       if (chunk == nullptr) return;
       std::uint32_t crc = 0;
       const std::uint64_t bytes = (end - begin) * size;
-      if (unsigned char* into = direct(begin, end)) {
-        // In pieces of 1 MiB, each checksummed while it is still in the cache it was just read through.
-        constexpr std::uint64_t piece_bytes = std::uint64_t{1} << 20;
-        for (std::uint64_t at = 0; at < bytes; at += piece_bytes) {
-          const auto n = static_cast<std::size_t>(std::min(piece_bytes, bytes - at));
-          f.read(t->begin + at, into + at, n);
-          crc = crc32c(into + at, n, crc);
-        }
-        if (crc != expected)
-          f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " +
-                    hex8(expected) + ")");
-        return;
-      }
+      // Read whole into direct memory, in pieces of 1 MiB, each checksummed while still in the cache it was read
+      // through; else through the chunk, each piece's part in [lo, hi) passed to the sink.
+      unsigned char* into = direct(begin, end);
+      const std::uint64_t piece_bytes = into != nullptr ? std::uint64_t{1} << 20 : chunk->size();
       const std::uint64_t want_begin = (from - begin) * size, want_end = (until - begin) * size;
-      for (std::uint64_t at = 0; at < bytes; at += chunk->size()) {
-        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk->size(), bytes - at));
-        f.read(t->begin + at, chunk->data(), n);
-        crc = crc32c(chunk->data(), n, crc);
+      for (std::uint64_t at = 0; at < bytes; at += piece_bytes) {
+        const auto n = static_cast<std::size_t>(std::min(piece_bytes, bytes - at));
+        unsigned char* to = into != nullptr ? into + at : chunk->data();
+        f.read(t->begin + at, to, n);
+        crc = crc32c(to, n, crc);
+        if (into != nullptr) continue;
         const std::uint64_t c0 = std::max(at, want_begin), c1 = std::min<std::uint64_t>(at + n, want_end);
         // byte c0 of the slice is element begin + c0 / size: (begin - lo) * size + c0 bytes from element lo
         if (c0 < c1) sink(chunk->data() + (c0 - at), static_cast<std::size_t>(c1 - c0), c0 + begin * size - lo * size);
