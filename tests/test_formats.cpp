@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/temp_path.hpp"
@@ -18,23 +19,59 @@
 #include "tandem/core/json.hpp"
 #include "tandem/core/safetensors.hpp"
 
-TEST_CASE("CRC-32C: the check value, the instruction and the tables agree, and it continues") {
+TEST_CASE("CRC-32C: the check value; every implementation this host runs agrees with the tables; it continues") {
+  using namespace tandem::detail;
   const char* text = "123456789";
-  CHECK(tandem::detail::crc32c(text, 9) == 0xE3069283u);
-  CHECK(~tandem::detail::crc32c_software(~0u, reinterpret_cast<const unsigned char*>(text), 9) == 0xE3069283u);
+  CHECK(crc32c(text, 9) == 0xE3069283u);
+  CHECK(~crc32c_software(~0u, reinterpret_cast<const unsigned char*>(text), 9) == 0xE3069283u);
   std::mt19937 rng(5);
-  std::vector<unsigned char> data(100003);
+  std::vector<unsigned char> data(100003 + 3);
   for (unsigned char& c : data) c = static_cast<unsigned char>(rng());
-  // Lengths around the interleaved blocks of 3 * crc32c_stream_bytes (one block, one and a remainder, several).
-  const std::size_t block = 3 * tandem::detail::crc32c_stream_bytes;
-  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9}, block - 1,
-                        block, block + 9, 2 * block + 8, data.size()}) {
+  // The implementations on the running CRC (not inverted), each against the tables where this host has it.
+  std::vector<std::pair<const char*, std::uint32_t (*)(std::uint32_t, const unsigned char*, std::size_t)>> ways;
+#if TANDEM_CRC32C_SSE42
+  if (crc32c_has_sse42()) ways.emplace_back("sse4.2", &crc32c_sse42);
+  if (crc32c_has_vpclmul()) ways.emplace_back("vpclmulqdq", &crc32c_vpclmul);  // (n >= 256)
+#endif
+  MESSAGE("CRC-32C implementations checked beside the tables: " << ways.size());
+  // Lengths around the folding's 16-, 64- and 256-byte blocks and the interleaved blocks of 3 * crc32c_stream_bytes
+  // (one, one and a remainder, several), at every alignment mod 4 and from two running values.
+  const std::size_t block = 3 * crc32c_stream_bytes;
+  for (std::size_t n : {std::size_t{0},
+                        std::size_t{1},
+                        std::size_t{7},
+                        std::size_t{8},
+                        std::size_t{9},
+                        std::size_t{255},
+                        std::size_t{256},
+                        std::size_t{257},
+                        std::size_t{271},
+                        std::size_t{272},
+                        std::size_t{319},
+                        std::size_t{320},
+                        std::size_t{511},
+                        std::size_t{512},
+                        std::size_t{1000},
+                        block - 1,
+                        block,
+                        block + 9,
+                        2 * block + 8,
+                        std::size_t{100003}}) {
     CAPTURE(n);
-    const std::uint32_t whole = tandem::detail::crc32c(data.data(), n);
-    CHECK(~tandem::detail::crc32c_software(~0u, data.data(), n) == whole);
+    for (std::size_t offset = 0; offset < 4; ++offset)
+      for (const std::uint32_t running : {0xFFFFFFFFu, 0x12345678u}) {
+        const std::uint32_t expected = crc32c_software(running, data.data() + offset, n);
+        for (const auto& [name, way] : ways) {
+          if (n < 256 && std::string(name) == "vpclmulqdq") continue;
+          CAPTURE(name);
+          CHECK(way(running, data.data() + offset, n) == expected);
+        }
+      }
+    const std::uint32_t whole = crc32c(data.data(), n);
+    CHECK(~crc32c_software(~0u, data.data(), n) == whole);
     for (std::size_t cut : {std::size_t{0}, n / 3, n}) {  // CRC of a part, continued over the rest
-      const std::uint32_t first = tandem::detail::crc32c(data.data(), cut);
-      CHECK(tandem::detail::crc32c(data.data() + cut, n - cut, first) == whole);
+      const std::uint32_t first = crc32c(data.data(), cut);
+      CHECK(crc32c(data.data() + cut, n - cut, first) == whole);
     }
   }
 }

@@ -44,6 +44,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::uint64_t end = 0;
     for (const auto& t : h.tensors) {
       if (t.end < t.begin || t.end - t.begin != t.count() * tandem::dtype_size(t.dtype)) std::abort();
+      if (h.find(t.name) != &t) std::abort();  // each name found, as itself
       end = std::max(end, t.end);
     }
     if (end != size) std::abort();

@@ -3,14 +3,16 @@
 // and compared between ranks), so it must never change; used for layout and option fingerprints, configuration
 // agreement between ranks, and rendezvous file checksums. Not cryptographic and not a checksum for large data (the
 // checkpoint formats have CRC-32 and CRC-32C for that). And the one text form of hashes and checksums in files: fixed
-// width lowercase hex.
+// width lowercase hex. And NameIndex, which finds names by this hash (a checkpoint shard names tens of thousands of
+// tensor slices).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tandem::detail {
 
@@ -28,11 +30,16 @@ inline std::uint64_t fnv1a(std::string_view s, std::uint64_t h = fnv1a_basis) no
   return fnv1a(s.data(), s.size(), h);
 }
 
+/// Writes v as `digits` (1 to 16) lowercase hex digits at out.
+inline void write_hex(char* out, std::uint64_t v, int digits) noexcept {
+  for (int k = digits - 1; k >= 0; --k, v >>= 4) out[k] = "0123456789abcdef"[v & 0xf];
+}
+
 /// v as `digits` (at most 16) lowercase hex digits (8 for a CRC, 16 for a 64-bit hash).
 inline std::string hex_text(std::uint64_t v, int digits) {
   digits = digits < 1 ? 1 : digits > 16 ? 16 : digits;
-  char text[17];
-  std::snprintf(text, sizeof text, "%0*llx", digits, static_cast<unsigned long long>(v));
+  std::string text(static_cast<std::size_t>(digits), '0');
+  write_hex(text.data(), v, digits);
   return text;
 }
 inline std::string hex8(std::uint32_t v) { return hex_text(v, 8); }
@@ -53,5 +60,54 @@ inline bool parse_hex(std::string_view text, std::size_t digits, std::uint64_t& 
   }
   return true;
 }
+
+/// Names found by hash: an index over a list of names that the caller keeps (name_of(i) gives name i), by open
+/// addressing in a power of two of slots, at least twice the names; each slot empty (0) or a name's index + 1 and 32
+/// more bits of its hash.
+class NameIndex {
+ public:
+  NameIndex() = default;
+  /// Indexes names 0 .. n-1 (n below 2^31). Returns the index of the first name equal to an earlier one (which is
+  /// left out), or n if all differ.
+  template <class NameOf>
+  std::size_t build(std::size_t n, NameOf&& name_of) {
+    std::size_t size = 16;
+    while (size < 2 * n) size *= 2;
+    slots_.assign(size, {});
+    std::size_t repeated = n;
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::string_view name = name_of(k);
+      const std::uint64_t h = fnv1a(name);
+      std::size_t i = static_cast<std::size_t>(h) & (size - 1);
+      for (; slots_[i].name != 0; i = (i + 1) & (size - 1))
+        if (slots_[i].tag == static_cast<std::uint32_t>(h >> 32) && name_of(slots_[i].name - 1) == name) break;
+      if (slots_[i].name != 0) {
+        repeated = std::min(repeated, k);
+        continue;
+      }
+      slots_[i] = {static_cast<std::uint32_t>(k + 1), static_cast<std::uint32_t>(h >> 32)};
+    }
+    return repeated;
+  }
+  /// The index of `name`, or `none` if it is not indexed (name_of as given to build).
+  template <class NameOf>
+  std::size_t find(std::string_view name, NameOf&& name_of) const {
+    if (slots_.empty()) return none;
+    const std::uint64_t h = fnv1a(name);
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t i = static_cast<std::size_t>(h) & mask;; i = (i + 1) & mask) {
+      const Slot s = slots_[i];
+      if (s.name == 0) return none;
+      if (s.tag == static_cast<std::uint32_t>(h >> 32) && name_of(s.name - 1) == name) return s.name - 1;
+    }
+  }
+  static constexpr std::size_t none = static_cast<std::size_t>(-1);
+
+ private:
+  struct Slot {
+    std::uint32_t name = 0, tag = 0;
+  };
+  std::vector<Slot> slots_;
+};
 
 }  // namespace tandem::detail

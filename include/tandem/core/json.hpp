@@ -46,11 +46,15 @@ inline const Value* Value::find(std::string_view key) const {
   return nullptr;
 }
 
-/// JSON string literal of s (quoted, with the escapes JSON requires).
-inline std::string quote(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
+/// Appends the JSON string literal of s (quoted, with the escapes JSON requires) to out.
+inline void quote_into(std::string& out, std::string_view s) {
+  out += '"';
+  std::size_t plain = 0;  // the start of a run that needs no escape, appended whole
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    out.append(s.substr(plain, i - plain));
+    plain = i + 1;
     switch (c) {
       case '"':
         out += "\\\"";
@@ -67,95 +71,109 @@ inline std::string quote(std::string_view s) {
       case '\t':
         out += "\\t";
         break;
-      default:
-        if (c < 0x20) {
-          static const char hex[] = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 0xf];
-        } else {
-          out += ch;
-        }
+      default: {
+        static const char hex[] = "0123456789abcdef";
+        out += "\\u00";
+        out += hex[c >> 4];
+        out += hex[c & 0xf];
+      }
     }
   }
-  return out + "\"";
+  out.append(s.substr(plain));
+  out += '"';
 }
 
+/// The JSON string literal of s.
+inline std::string quote(std::string_view s) {
+  std::string out;
+  quote_into(out, s);
+  return out;
+}
+
+/// A cursor over JSON text. document() parses it whole into a Value; a reader that knows what it expects (a safetensors
+/// header of tens of thousands of entries) walks it instead, member by member, building nothing it does not keep:
+///   p.object([&](std::string_view name) { ... consume the member's value: p.string(), p.number(), p.object(...) });
 class Parser {
  public:
   Parser(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
 
   Value document() {
     Value v = value(0);
-    space();
-    if (at_ != text_.size()) bad("extra characters after the value");
+    finish();
     return v;
   }
 
- private:
-  [[noreturn]] void bad(const std::string& why) const {
-    fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");
-  }
-  void space() {
-    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
-      ++at_;
-  }
-  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
-  void expect(char c) {
-    if (peek() != c) bad(std::string("expected '") + c + "'");
-    ++at_;
-  }
-  void literal(std::string_view word) {
-    if (text_.substr(at_, word.size()) != word) bad("unknown literal");
-    at_ += word.size();
+  /// After the last value: only white space may follow.
+  void finish() {
+    space();
+    if (at_ != text_.size()) bad("extra characters after the value");
   }
 
+  /// The next character after white space ('\0' at the end), not consumed.
+  char next() {
+    space();
+    return peek();
+  }
+
+  /// The object at the cursor: member(name) for each member in order (`name` a std::string_view valid during the
+  /// call), which consumes the member's value.
+  template <class Member>
+  void object(Member&& member) {
+    space();
+    expect('{');
+    if (next() == '}') {
+      ++at_;
+      return;
+    }
+    std::string scratch;
+    for (;;) {
+      if (next() != '"') bad("expected a member name");
+      const std::string_view name = text(scratch);
+      space();
+      expect(':');
+      member(name);
+      if (next() == ',') {
+        ++at_;
+        continue;
+      }
+      expect('}');
+      return;
+    }
+  }
+
+  /// The array at the cursor: item() for each item in order, which consumes it.
+  template <class Item>
+  void array(Item&& item) {
+    space();
+    expect('[');
+    if (next() == ']') {
+      ++at_;
+      return;
+    }
+    for (;;) {
+      item();
+      if (next() == ',') {
+        ++at_;
+        continue;
+      }
+      expect(']');
+      return;
+    }
+  }
+
+  /// Any value, whole; `depth` is how deep the cursor already is (at most 64 in all).
   Value value(int depth) {
     if (depth > 64) bad("nested more than 64 deep");
-    space();
     Value v;
-    switch (peek()) {
+    switch (next()) {
       case '{':
         v.kind = Value::Kind::object;
-        ++at_;
-        space();
-        if (peek() == '}') {
-          ++at_;
-          return v;
-        }
-        for (;;) {
-          space();
-          if (peek() != '"') bad("expected a member name");
-          std::string key = string();
-          space();
-          expect(':');
-          v.members.push_back({std::move(key), value(depth + 1)});
-          space();
-          if (peek() == ',') {
-            ++at_;
-            continue;
-          }
-          expect('}');
-          return v;
-        }
+        object([&](std::string_view name) { v.members.push_back({std::string(name), value(depth + 1)}); });
+        return v;
       case '[':
         v.kind = Value::Kind::array;
-        ++at_;
-        space();
-        if (peek() == ']') {
-          ++at_;
-          return v;
-        }
-        for (;;) {
-          v.items.push_back(value(depth + 1));
-          space();
-          if (peek() == ',') {
-            ++at_;
-            continue;
-          }
-          expect(']');
-          return v;
-        }
+        array([&] { v.items.push_back(value(depth + 1)); });
+        return v;
       case '"':
         v.kind = Value::Kind::string;
         v.string = string();
@@ -177,51 +195,29 @@ class Parser {
     }
   }
 
-  Value number() {
-    const std::size_t begin = at_;
-    if (peek() == '-') ++at_;
-    if (peek() == '0') {
-      ++at_;
-    } else if (peek() >= '1' && peek() <= '9') {
-      while (peek() >= '0' && peek() <= '9') ++at_;
-    } else {
-      bad("expected a value");
-    }
-    bool integer = true;
-    if (peek() == '.') {
-      integer = false;
-      ++at_;
-      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit after '.'");
-      while (peek() >= '0' && peek() <= '9') ++at_;
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      integer = false;
-      ++at_;
-      if (peek() == '+' || peek() == '-') ++at_;
-      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit in the exponent");
-      while (peek() >= '0' && peek() <= '9') ++at_;
-    }
-    const std::string digits(text_.substr(begin, at_ - begin));
-    Value v;
-    v.kind = Value::Kind::number;
-    v.number = std::strtod(digits.c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
-    if (integer && digits[0] != '-') {
-      std::uint64_t n = 0;
-      bool exact = true;
-      for (const char c : digits) {
-        const auto d = static_cast<std::uint64_t>(c - '0');
-        if (n > (UINT64_MAX - d) / 10) exact = false;
-        n = n * 10 + d;
-      }
-      v.is_count = exact;
-      v.count = exact ? n : 0;
-    }
-    return v;
+  /// The string at the cursor (after white space), unescaped.
+  std::string string() {
+    std::string s;
+    const std::string_view v = text(s);
+    return v.data() == s.data() ? s : std::string(v);
   }
 
-  std::string string() {
+  /// The string at the cursor (after white space), unescaped: a view of the JSON text where it has no escape (most
+  /// strings), else of `s`, which holds it unescaped.
+  std::string_view text(std::string& s) {
+    space();
     expect('"');
-    std::string s;
+    const std::size_t begin = at_;
+    while (at_ < text_.size()) {
+      const auto c = static_cast<unsigned char>(text_[at_]);
+      if (c == '"') {
+        ++at_;
+        return text_.substr(begin, at_ - 1 - begin);
+      }
+      if (c == '\\' || c < 0x20) break;
+      ++at_;
+    }
+    s.assign(text_.substr(begin, at_ - begin));
     for (;;) {
       if (at_ >= text_.size()) bad("unterminated string");
       const auto c = static_cast<unsigned char>(text_[at_++]);
@@ -272,6 +268,73 @@ class Parser {
           bad("an unknown escape");
       }
     }
+  }
+
+  /// The number at the cursor (after white space).
+  Value number() {
+    space();
+    const std::size_t begin = at_;
+    if (peek() == '-') ++at_;
+    if (peek() == '0') {
+      ++at_;
+    } else if (peek() >= '1' && peek() <= '9') {
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    } else {
+      bad("expected a value");
+    }
+    bool integer = true;
+    if (peek() == '.') {
+      integer = false;
+      ++at_;
+      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit after '.'");
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      integer = false;
+      ++at_;
+      if (peek() == '+' || peek() == '-') ++at_;
+      if (!(peek() >= '0' && peek() <= '9')) bad("expected a digit in the exponent");
+      while (peek() >= '0' && peek() <= '9') ++at_;
+    }
+    const std::string_view digits = text_.substr(begin, at_ - begin);
+    Value v;
+    v.kind = Value::Kind::number;
+    if (integer && digits[0] != '-') {
+      std::uint64_t n = 0;
+      bool exact = true;
+      for (const char c : digits) {
+        const auto d = static_cast<std::uint64_t>(c - '0');
+        if (n > (UINT64_MAX - d) / 10) exact = false;
+        n = n * 10 + d;
+      }
+      v.is_count = exact;
+      v.count = exact ? n : 0;
+      // (an integer below 2^64 converts as strtod rounds its decimal: to the nearest double)
+      if (exact) v.number = static_cast<double>(n);
+    }
+    if (!v.is_count)
+      v.number = std::strtod(std::string(digits).c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
+    return v;
+  }
+
+  /// Fails naming the byte at the cursor.
+  [[noreturn]] void bad(const std::string& why) const {
+    fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");
+  }
+
+ private:
+  void space() {
+    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
+      ++at_;
+  }
+  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
+  void expect(char c) {
+    if (peek() != c) bad(std::string("expected '") + c + "'");
+    ++at_;
+  }
+  void literal(std::string_view word) {
+    if (text_.substr(at_, word.size()) != word) bad("unknown literal");
+    at_ += word.size();
   }
 
   std::uint32_t hex4() {

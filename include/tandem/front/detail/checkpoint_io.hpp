@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/comm/communicator.hpp"
@@ -203,6 +204,9 @@ class ShardedCheckpoint {
   /// elements), through `chunk` (host memory; the backend's copies are waited for before it is reused). With
   /// `to` null it only opens the files that hold them and checks their entries (nothing is read or written), so that
   /// a missing or damaged file is found before anything changes.
+  /// Slices read straight into host memory are read by runs (adjacent in their file and in memory, up to 1 MiB each, in
+  /// one call; each still checked against its own checksum), so a run may be read as late as flush(), which the
+  /// caller calls after its last read.
   template <class Backend>
   void read(const Backend& backend, const CheckpointArray& a, std::size_t tensor, const TensorSpec& spec,
             std::size_t lo, std::size_t hi, unsigned char* to, std::vector<unsigned char>& chunk) {
@@ -224,6 +228,18 @@ class ShardedCheckpoint {
     });
   }
 
+  /// Reads the run of slices that read() has gathered, and checks each against its checksum.
+  void flush() {
+    if (run_.slices.empty()) return;
+    const Run run = std::exchange(run_, Run{});
+    const SafetensorsFile& f = *files_[run.file];
+    f.read(run.file_begin, run.to, static_cast<std::size_t>(run.file_end - run.file_begin));
+    for (const SafetensorsFile::Tensor* t : run.slices) {
+      const std::uint32_t crc = crc32c(run.to + (t->begin - run.file_begin), t->end - t->begin);
+      if (crc != t->crc) mismatch(f, t->name, crc, t->crc);
+    }
+  }
+
   /// Every element of array `a` of layout tensor `tensor`, in order: sink(data, bytes) for each piece (host memory,
   /// valid during the call), each saved slice checked against its checksum once read.
   template <class Sink>
@@ -234,7 +250,17 @@ class ShardedCheckpoint {
   }
 
  private:
+  /// Bytes read into place by one call: a run of small slices, or a piece of a large one (checksummed while still in
+  /// the cache it was read through).
+  static constexpr std::uint64_t direct_piece_bytes = std::uint64_t{1} << 20;
+
   static unsigned char* no_direct(std::size_t, std::size_t) { return nullptr; }
+
+  [[noreturn]] static void mismatch(const SafetensorsFile& f, const std::string& name, std::uint32_t crc,
+                                    std::uint32_t expected) {
+    f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " + hex8(expected) +
+              ")");
+  }
 
   /// The saved slices of tensor `tensor`'s array `a` that overlap elements [lo, hi), in order: each is opened and its
   /// entry checked; with a chunk, it is read whole (for its checksum): into direct(begin, end) where that gives memory
@@ -253,15 +279,29 @@ class ShardedCheckpoint {
       const SafetensorsFile::Tensor* t = f.find(name);
       if (t == nullptr) f.corrupt("it lacks `" + name + "`");
       if (t->dtype != a.dtype || t->count() != end - begin) f.corrupt("`" + name + "` has the wrong dtype or size");
-      std::uint32_t expected = 0;
-      if (!f.recorded_crc(name, expected)) f.corrupt("it records no checksum for `" + name + "`");
+      if (!t->has_crc) f.corrupt("it records no checksum for `" + name + "`");
       if (chunk == nullptr) return;
-      std::uint32_t crc = 0;
       const std::uint64_t bytes = (end - begin) * size;
+      unsigned char* into = direct(begin, end);
+      if (into != nullptr && bytes <= direct_piece_bytes) {  // joins the run of slices read by one call
+        if (run_.slices.empty() || run_.file != file || run_.file_end != t->begin || run_.to_end != into ||
+            run_.file_end - run_.file_begin + bytes > direct_piece_bytes) {
+          flush();
+          run_.file = file;
+          run_.file_begin = run_.file_end = t->begin;
+          run_.to = run_.to_end = into;
+        }
+        run_.slices.push_back(t);
+        run_.file_end += bytes;
+        run_.to_end += bytes;
+        return;
+      }
+      flush();
+      std::uint32_t crc = 0;
+      const std::uint32_t expected = t->crc;
       // Read whole into direct memory, in pieces of 1 MiB, each checksummed while still in the cache it was read
       // through; else through the chunk, each piece's part in [lo, hi) passed to the sink.
-      unsigned char* into = direct(begin, end);
-      const std::uint64_t piece_bytes = into != nullptr ? std::uint64_t{1} << 20 : chunk->size();
+      const std::uint64_t piece_bytes = into != nullptr ? direct_piece_bytes : chunk->size();
       const std::uint64_t want_begin = (from - begin) * size, want_end = (until - begin) * size;
       for (std::uint64_t at = 0; at < bytes; at += piece_bytes) {
         const auto n = static_cast<std::size_t>(std::min(piece_bytes, bytes - at));
@@ -273,9 +313,7 @@ class ShardedCheckpoint {
         // byte c0 of the slice is element begin + c0 / size: (begin - lo) * size + c0 bytes from element lo
         if (c0 < c1) sink(chunk->data() + (c0 - at), static_cast<std::size_t>(c1 - c0), c0 + begin * size - lo * size);
       }
-      if (crc != expected)
-        f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " +
-                  hex8(expected) + ")");
+      if (crc != expected) mismatch(f, name, crc, expected);
     };
     if (manifest_.parameters_only) {
       piece(0, 0, spec.numel);
@@ -310,6 +348,12 @@ class ShardedCheckpoint {
   CheckpointManifest manifest_;
   Plan saved_;
   std::vector<std::optional<SafetensorsFile>> files_;
+  struct Run {  // slices adjacent in file `file` (bytes [file_begin, file_end)) and in host memory [to, to_end)
+    std::size_t file = 0;
+    std::uint64_t file_begin = 0, file_end = 0;
+    unsigned char *to = nullptr, *to_end = nullptr;
+    std::vector<const SafetensorsFile::Tensor*> slices;
+  } run_;
 };
 
 /// Copies what this rank keeps of an opened sharded checkpoint into its state, on the backend's work stream (waited
@@ -327,24 +371,31 @@ TANDEM_COLD void restore_sharded(const Backend& backend, const Plan& plan, const
   const std::vector<CheckpointArray> arrays = checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
   const std::size_t psize = dtype_size(m.param_dtype);
   std::vector<unsigned char> chunk(mode == Restore::copy ? checkpoint_chunk_bytes : 0);
-  for (std::size_t i = 0; i < layout.size(); ++i) {
-    const std::size_t first = plan.flat_offset(i), n = layout[i].numel, b = plan.placement(i).bucket;
-    if (n == 0) continue;
-    const Range owned = owned_range<P>(plan, b, rank);
-    const std::size_t own_lo = std::max(first, owned.begin), own_hi = std::min(first + n, owned.end);
-    for (const CheckpointArray& a : arrays) {
-      const bool copy = mode == Restore::copy;
+  // Array by array, tensor by tensor in flat order: the order of the saved files when the plan is the saving one, so
+  // that the slices read into place join into runs.
+  std::vector<std::size_t> order(layout.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t x, std::size_t y) { return plan.flat_offset(x) < plan.flat_offset(y); });
+  const bool copy = mode == Restore::copy;
+  for (const CheckpointArray& a : arrays) {
+    if (a.kind == Kind::master && state.master() == nullptr) continue;
+    for (const std::size_t i : order) {
+      const std::size_t first = plan.flat_offset(i), n = layout[i].numel, b = plan.placement(i).bucket;
+      if (n == 0) continue;
       if (a.kind == Kind::params && state.param_flat() != nullptr) {
         ckpt.read(backend, a, i, layout[i], 0, n, copy ? state.param_flat() + first * psize : nullptr, chunk);
         continue;
       }
+      const Range owned = owned_range<P>(plan, b, rank);
+      const std::size_t own_lo = std::max(first, owned.begin), own_hi = std::min(first + n, owned.end);
       if (own_lo >= own_hi) continue;
       const Slice s{i, own_lo - first, own_hi - first, own_lo, b};
-      if (a.kind == Kind::master && state.master() == nullptr) continue;
       ckpt.read(backend, a, i, layout[i], s.begin, s.end,
                 copy ? slice_source<P>(state, plan, rank, a, s, psize) : nullptr, chunk);
     }
   }
+  ckpt.flush();
 }
 
 /// A name for one save's files that no other save in the same directory picks: the clock, the process and a count.
