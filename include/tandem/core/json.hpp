@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -208,16 +209,20 @@ class Parser {
     space();
     expect('"');
     const std::size_t begin = at_;
-    while (at_ < text_.size()) {
-      const auto c = static_cast<unsigned char>(text_[at_]);
-      if (c == '"') {
-        ++at_;
-        return text_.substr(begin, at_ - 1 - begin);
+    // The closing quote found by memchr; unless an escape or a control character comes before it, that is the string.
+    if (const void* quote = std::memchr(text_.data() + at_, '"', text_.size() - at_)) {
+      const auto end = static_cast<std::size_t>(static_cast<const char*>(quote) - text_.data());
+      bool plain = true;
+      for (std::size_t i = at_; i < end; ++i) {
+        const auto c = static_cast<unsigned char>(text_[i]);
+        plain &= c != '\\' && c >= 0x20;
       }
-      if (c == '\\' || c < 0x20) break;
-      ++at_;
+      if (plain) {
+        at_ = end + 1;
+        return text_.substr(begin, end - begin);
+      }
     }
-    s.assign(text_.substr(begin, at_ - begin));
+    s.clear();
     for (;;) {
       if (at_ >= text_.size()) bad("unterminated string");
       const auto c = static_cast<unsigned char>(text_[at_++]);
@@ -272,6 +277,47 @@ class Parser {
 
   /// The number at the cursor (after white space).
   Value number() {
+    Value v;
+    v.kind = Value::Kind::number;
+    v.number = scan_number(v.is_count, v.count);
+    return v;
+  }
+
+  /// The value at the cursor (`depth` deep): a non-negative integer below 2^64 goes to `out` (true); any other value
+  /// is read whole and dropped (false).
+  bool count(std::uint64_t& out, int depth) {
+    const char c = next();
+    if (c < '0' || c > '9') {
+      (void)value(depth);
+      return false;
+    }
+    bool is_count = false;
+    (void)scan_number(is_count, out);
+    return is_count;
+  }
+
+  /// Fails naming the byte at the cursor.
+  [[noreturn]] void bad(const std::string& why) const {
+    fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");
+  }
+
+ private:
+  void space() {
+    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
+      ++at_;
+  }
+  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
+  void expect(char c) {
+    if (peek() != c) bad(std::string("expected '") + c + "'");
+    ++at_;
+  }
+  void literal(std::string_view word) {
+    if (text_.substr(at_, word.size()) != word) bad("unknown literal");
+    at_ += word.size();
+  }
+  /// Scans the number at the cursor (after white space): its value; whether it is a non-negative integer below 2^64,
+  /// and that integer, exact.
+  double scan_number(bool& is_count, std::uint64_t& count) {
     space();
     const std::size_t begin = at_;
     if (peek() == '-') ++at_;
@@ -297,8 +343,8 @@ class Parser {
       while (peek() >= '0' && peek() <= '9') ++at_;
     }
     const std::string_view digits = text_.substr(begin, at_ - begin);
-    Value v;
-    v.kind = Value::Kind::number;
+    is_count = false;
+    count = 0;
     if (integer && digits[0] != '-') {
       std::uint64_t n = 0;
       bool exact = true;
@@ -307,34 +353,14 @@ class Parser {
         if (n > (UINT64_MAX - d) / 10) exact = false;
         n = n * 10 + d;
       }
-      v.is_count = exact;
-      v.count = exact ? n : 0;
       // (an integer below 2^64 converts as strtod rounds its decimal: to the nearest double)
-      if (exact) v.number = static_cast<double>(n);
+      if (exact) {
+        is_count = true;
+        count = n;
+        return static_cast<double>(n);
+      }
     }
-    if (!v.is_count)
-      v.number = std::strtod(std::string(digits).c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
-    return v;
-  }
-
-  /// Fails naming the byte at the cursor.
-  [[noreturn]] void bad(const std::string& why) const {
-    fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");
-  }
-
- private:
-  void space() {
-    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
-      ++at_;
-  }
-  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
-  void expect(char c) {
-    if (peek() != c) bad(std::string("expected '") + c + "'");
-    ++at_;
-  }
-  void literal(std::string_view word) {
-    if (text_.substr(at_, word.size()) != word) bad("unknown literal");
-    at_ += word.size();
+    return std::strtod(std::string(digits).c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
   }
 
   std::uint32_t hex4() {

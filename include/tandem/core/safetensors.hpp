@@ -245,7 +245,6 @@ namespace detail {
 
 /// The entry of tensor `name` at the cursor: {"dtype": ..., "shape": [...], "data_offsets": [b, e]}, in any order.
 inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, const std::string& path) {
-  using Kind = json::Value::Kind;
   if (p.next() != '{') safetensors_corrupt(path, "the entry of `" + name + "` is not an object");
   SafetensorsTensor t;
   t.name = std::move(name);
@@ -261,9 +260,9 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
       return;
     }
     p.array([&] {
-      const json::Value d = p.value(3);
-      sizes = sizes && d.kind == Kind::number && d.is_count;
-      out.push_back(d.count);
+      std::uint64_t d = 0;
+      sizes = p.count(d, 3) && sizes;
+      out.push_back(d);
     });
   };
   p.object([&](std::string_view key) {

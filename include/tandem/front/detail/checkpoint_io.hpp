@@ -201,9 +201,9 @@ class ShardedCheckpoint {
   const CheckpointManifest& manifest() const { return manifest_; }
 
   /// Elements [lo, hi) of array `a` of layout tensor `tensor` (named `spec`) into `to` (backend memory, hi - lo
-  /// elements), through `chunk` (host memory; the backend's copies are waited for before it is reused). With
-  /// `to` null it only opens the files that hold them and checks their entries (nothing is read or written), so that
-  /// a missing or damaged file is found before anything changes.
+  /// elements), through `chunk` (host memory, checkpoint_chunk_bytes, allocated here when first needed; the backend's
+  /// copies are waited for before it is reused). With `to` null it only opens the files that hold them and checks
+  /// their entries (nothing is read or written), so that a missing or damaged file is found before anything changes.
   /// Slices read straight into host memory are read by runs (adjacent in their file and in memory, up to 1 MiB each, in
   /// one call; each still checked against its own checksum), so a run may be read as late as flush(), which the
   /// caller calls after its last read.
@@ -301,6 +301,7 @@ class ShardedCheckpoint {
       const std::uint32_t expected = t->crc;
       // Read whole into direct memory, in pieces of 1 MiB, each checksummed while still in the cache it was read
       // through; else through the chunk, each piece's part in [lo, hi) passed to the sink.
+      if (into == nullptr && chunk->empty()) chunk->resize(checkpoint_chunk_bytes);  // (allocated when first needed)
       const std::uint64_t piece_bytes = into != nullptr ? direct_piece_bytes : chunk->size();
       const std::uint64_t want_begin = (from - begin) * size, want_end = (until - begin) * size;
       for (std::uint64_t at = 0; at < bytes; at += piece_bytes) {
@@ -370,7 +371,7 @@ TANDEM_COLD void restore_sharded(const Backend& backend, const Plan& plan, const
   const CheckpointManifest& m = ckpt.manifest();
   const std::vector<CheckpointArray> arrays = checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
   const std::size_t psize = dtype_size(m.param_dtype);
-  std::vector<unsigned char> chunk(mode == Restore::copy ? checkpoint_chunk_bytes : 0);
+  std::vector<unsigned char> chunk;  // (ShardedCheckpoint::read allocates it if a slice is not read into place)
   // Array by array, tensor by tensor in flat order: the order of the saved files when the plan is the saving one, so
   // that the slices read into place join into runs.
   std::vector<std::size_t> order(layout.size());
