@@ -1,17 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // safetensors files (the format of Hugging Face's `safetensors`, which PyTorch, JAX and NumPy users open): an 8-byte
-// little-endian header length N, N bytes of JSON (padded with spaces: tandem's writer starts the data 64-byte aligned,
-// the format asks for 8), then the data, each tensor's
-// bytes at [data_offsets[0], data_offsets[1]) of the data section, contiguous, in offset order, covering it exactly.
+// little-endian header length N, N bytes of JSON (padded with spaces; tandem's writer starts the data 64-byte aligned,
+// the format asks for 8), then the data, each tensor's bytes at [data_offsets[0], data_offsets[1]) of the data
+// section, contiguous, in offset order, covering it exactly.
 //
 //   {"__metadata__": {"k": "v", ...}, "<name>": {"dtype": "F32", "shape": [n], "data_offsets": [b, e]}, ...}
 //
 // SafetensorsWriter streams a file of 1-D tensors declared up front, in bounded memory, and records each tensor's
 // CRC-32C in the metadata (`crc32c/<name>`, 8 hex digits, so the header's length is known before the data and the
-// header is rewritten with the values at commit; the header's own CRC then covers the file); SafetensorsFile reads a
-// header (streamed, no document built), validates it as the reference implementation does, finds tensors by name in a
-// hash table, and reads ranges. Only F32, BF16, F16 and F64 tensors are
-// tandem's; other dtypes are refused by name.
+// digits are written in place at commit; the header's own CRC then covers the file); SafetensorsFile reads a header
+// (as a stream: no JSON document is built), validates it as the reference implementation does, finds tensors by name
+// through a hash index, and reads ranges. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are refused
+// by name.
 #pragma once
 
 #include <fcntl.h>
@@ -218,7 +218,7 @@ struct SafetensorsTensor {
   }
 };
 
-/// A safetensors header: its tensors (in the header's order), found by name, and its metadata (in the header's order).
+/// A safetensors header: its tensors (in the header's order), found by name, and its metadata.
 struct SafetensorsHeader {
   std::vector<SafetensorsTensor> tensors;
   std::vector<std::pair<std::string, std::string>> metadata;  ///< but the tensors' checksums, parsed into them
