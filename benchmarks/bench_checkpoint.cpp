@@ -2,7 +2,8 @@
 // Sharded checkpoints: DataParallel::save_checkpoint and load_checkpoint of a layout (the GPT-2-124M tensor list, or
 // 10,000 x 1 KB) at 1 and 2 ranks (threads), OptimizerSharded, AdamW, fp32 (12 bytes per element: parameters and two
 // state arrays), against plain POSIX I/O of the same bytes to the same directory in the same run:
-//   save  x_plain = (the same files written with write() + fsync, a thread per rank) / save time
+//   save  x_plain = (the same files written with write() + fsync over files of the same size, a thread per rank) /
+//                   save time (a save replaces the previous checkpoint: it removes the files only that one named)
 //   load  x_plain = (the same bytes read with pread(), a thread per rank) / load time
 // where the bytes a rank of a load reads are its own file and, of every other file, the parameters (OptimizerSharded
 // keeps all of them on every rank: at 2 ranks a load reads 4/3 of the files' bytes)
@@ -109,7 +110,7 @@ std::vector<std::vector<Range>> load_ranges(const std::vector<std::pair<std::str
 // Seconds for one thread per rank to write (with fsync) or read the same bytes as the checkpoint, as plain files in
 // `dir`, each thread from or into a buffer of its bytes (touched beforehand), as a program would write or read its
 // state with plain POSIX calls: the same bytes, the same memory traffic, no checksum, no format. A save writes each
-// file once; a load reads load_ranges().
+// file once, over the file of its previous save; a load reads load_ranges().
 double plain_io(const std::string& dir, const std::vector<std::pair<std::string, std::uintmax_t>>& files, bool write) {
   std::vector<std::vector<Range>> ranges(files.size());
   if (write)
@@ -125,13 +126,15 @@ double plain_io(const std::string& dir, const std::vector<std::pair<std::string,
     buffers.emplace_back(static_cast<std::size_t>(bytes));
     std::memset(buffers.back().data(), 3, buffers.back().bytes());
   }
-  if (!write)  // the files to read: written beforehand (page cache, as the checkpoint's are)
-    for (std::size_t k = 0; k < files.size(); ++k) {
-      std::vector<char> bytes(static_cast<std::size_t>(files[k].second), 3);
-      const int fd = ::open(paths[k].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (::write(fd, bytes.data(), bytes.size()) != ssize_t(bytes.size())) std::abort();
-      ::close(fd);
-    }
+  // The files written beforehand: to read (from the page cache, as the checkpoint's are), or to write over (truncated
+  // and written again, as a save replaces the previous checkpoint, whose files it removes).
+  for (std::size_t k = 0; k < files.size(); ++k) {
+    std::vector<char> bytes(static_cast<std::size_t>(files[k].second), 3);
+    const int fd = ::open(paths[k].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (::write(fd, bytes.data(), bytes.size()) != ssize_t(bytes.size())) std::abort();
+    if (write) ::fsync(fd);
+    ::close(fd);
+  }
   const std::size_t chunk = std::size_t{8} << 20;  // per call: the size of the checkpoint's own writes and reads
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::jthread> workers;

@@ -183,8 +183,27 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
   CHECK(back.files[0].header_crc == 0xdeadbeef);
   CHECK(back.files[1].bytes == 200);
   CHECK(back.bucket_cap_bytes == m.bucket_cap_bytes);
+  {  // the members in another order, with white space and members it does not know
+    const std::string reordered =
+        "{\"files\": [{\"header_crc32c\": \"000000ff\", \"extra\": [1, {\"a\": null}], \"bytes\": 5, \"name\": "
+        "\"f\"}],\n"
+        " \"tensors\": [ {\"dtype\": \"fp32\", \"numel\": 7, \"name\": \"t\"} ], \"parameters_only\": true,"
+        " \"first_bucket_cap_bytes\": 0, \"bucket_cap_bytes\": 0, \"param_dtype\": \"fp32\", \"state_count\": 0,"
+        " \"optimizer_fingerprint\": \"0000000000000000\", \"optimizer\": \"\", \"world_size\": 1, \"policy\": "
+        "\"imported\","
+        " \"step\": 0, \"version\": 2, \"format\": \"tandem-checkpoint\", \"more\": {\"x\": 1}}";
+    const tandem::CheckpointManifest r = tandem::detail::parse_manifest(reordered, "r");
+    REQUIRE(r.tensors.size() == 1);
+    CHECK(r.tensors[0].name == "t");
+    CHECK(r.tensors[0].numel == 7);
+    REQUIRE(r.files.size() == 1);
+    CHECK(r.files[0].bytes == 5);
+    CHECK(r.files[0].header_crc == 0xffu);
+    CHECK(r.parameters_only);
+  }
   auto broken = [&](const std::string& from, const std::string& to) {
     std::string t = text;
+    REQUIRE(t.find(from) != std::string::npos);
     t.replace(t.find(from), from.size(), to);
     return t;
   };
@@ -195,6 +214,12 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
       {broken("r1.safetensors", "../r1.safetensors"), "outside its directory"},
       {broken("\"world_size\": 2", "\"world_size\": 3"), "lists 2 files for 3 ranks"},
       {broken("\"dtype\": \"bf16\"", "\"dtype\": \"fp32\""), "a dtype other than param_dtype"},
+      {broken("\"numel\": 10", "\"numel\": -10"), "an implausible `numel`"},
+      {broken("\"bytes\": 100", "\"bytes\": 1.5"), "an implausible `bytes`"},
+      {broken("\"numel\": 10", "\"numel\": \"10\""), "lacks `numel`"},
+      {broken("\"tensors\": [", "\"tensors\": 7, \"x\": ["), "lacks `tensors`"},
+      {"[1, 2]", "lacks `format`"},
+      {broken("\"files\": [", "\"files\": [1, "), "lacks `name`"},
   };
   for (const auto& [t, why] : bad) {
     CAPTURE(why);

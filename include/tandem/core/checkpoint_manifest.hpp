@@ -89,15 +89,77 @@ inline bool dtype_from_name(const std::string& name, DType& out) {
   return false;
 }
 
-/// Parses and checks a manifest; `path` names it in errors.
+/// Parses and checks a manifest; `path` names it in errors. Its two lists (the tensors, the files: tens of thousands of
+/// entries for a large layout) are read as a stream, each entry straight into its struct; the other members, a few,
+/// as JSON values.
 inline CheckpointManifest parse_manifest(const std::string& text, const std::string& path) {
   using json::Value;
   const std::string where = "tandem: the checkpoint manifest `" + path + "` ";
-  const Value root = json::parse(text, "the checkpoint manifest `" + path + "`");
   auto bad = [&](const std::string& why) -> void { fail(where + why); };
+  auto lacks = [&](const char* key) { bad(std::string("lacks `") + key + "` or it has the wrong type"); };
+  // One entry of a list: an object of scalar members, each looked for by the caller (a string, a count, or missing).
+  struct Entry {
+    std::string strings[3];
+    std::uint64_t counts[3] = {0, 0, 0};
+    bool have_string[3] = {false, false, false}, have_count[3] = {false, false, false},
+         not_count[3] = {false, false, false};
+  };
+  json::Parser p(text, "the checkpoint manifest `" + path + "`");
+  // (What is not a list of objects is read whole and left empty, to fail in the checks below, in their order.)
+  auto entries = [&](const char* const(&keys)[3], std::vector<Entry>& out) {
+    if (p.next() != '[') {
+      (void)p.value(1);
+      return false;
+    }
+    p.array([&] {
+      Entry e;
+      if (p.next() != '{') {
+        (void)p.value(2);
+        out.push_back(e);
+        return;
+      }
+      p.object([&](std::string_view key) {
+        std::size_t k = 0;
+        while (k < 3 && key != keys[k]) ++k;
+        const char c = p.next();
+        if (k < 3 && c == '"' && !e.have_string[k] && !e.have_count[k]) {
+          e.strings[k] = p.string();
+          e.have_string[k] = true;
+        } else if (k < 3 && ((c >= '0' && c <= '9') || c == '-') && !e.have_string[k] && !e.have_count[k]) {
+          e.not_count[k] = !p.count(e.counts[k], 3);  // (a number, but not a count: implausible)
+          e.have_count[k] = true;
+        } else {
+          (void)p.value(3);  // a member of no use here (or a repeated one: the first counts)
+        }
+      });
+      out.push_back(std::move(e));
+    });
+    return true;
+  };
+  Value root;  // the members other than the two lists
+  root.kind = Value::Kind::object;
+  std::vector<Entry> tensors, files;
+  bool seen_tensors = false, seen_files = false, have_tensors = false, have_files = false;
+  if (p.next() != '{') {  // JSON, but not an object: no member of a manifest (or not JSON: that error)
+    (void)p.value(0);
+    p.finish();
+    lacks("format");
+  }
+  p.object([&](std::string_view key) {
+    if (key == "tensors" && !seen_tensors) {
+      seen_tensors = true;
+      have_tensors = entries({"name", "numel", "dtype"}, tensors);
+    } else if (key == "files" && !seen_files) {
+      seen_files = true;
+      have_files = entries({"name", "bytes", "header_crc32c"}, files);
+    } else {
+      root.members.push_back({std::string(key), p.value(1)});
+    }
+  });
+  p.finish();
   auto member = [&](const Value& object, const char* key, Value::Kind kind) -> const Value& {
-    const Value* v = object.kind == Value::Kind::object ? object.find(key) : nullptr;
-    if (v == nullptr || v->kind != kind) bad(std::string("lacks `") + key + "` or it has the wrong type");
+    const Value* v = object.find(key);
+    if (v == nullptr || v->kind != kind) lacks(key);
     return *v;
   };
   auto count = [&](const Value& object, const char* key, std::uint64_t max) {
@@ -105,11 +167,19 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
     if (!v.is_count || v.count > max) bad(std::string("has an implausible `") + key + "`");
     return v.count;
   };
-  auto hex = [&](const Value& object, const char* key, std::size_t digits) {
+  auto hex = [&](const std::string& text, const char* key, std::size_t digits) {
     std::uint64_t v = 0;
-    if (!parse_hex(member(object, key, Value::Kind::string).string, digits, v))
-      bad(std::string("has a malformed `") + key + "`");
+    if (!parse_hex(text, digits, v)) bad(std::string("has a malformed `") + key + "`");
     return v;
+  };
+  auto entry_string = [&](const Entry& e, std::size_t k, const char* key) -> const std::string& {
+    if (!e.have_string[k]) lacks(key);
+    return e.strings[k];
+  };
+  auto entry_count = [&](const Entry& e, std::size_t k, const char* key, std::uint64_t max) {
+    if (!e.have_count[k]) lacks(key);
+    if (e.not_count[k] || e.counts[k] > max) bad(std::string("has an implausible `") + key + "`");
+    return e.counts[k];
   };
   if (member(root, "format", Value::Kind::string).string != "tandem-checkpoint")
     bad("is not a tandem checkpoint manifest");
@@ -123,7 +193,8 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
   m.world_size = static_cast<std::uint32_t>(count(root, "world_size", 1u << 24));
   if (m.world_size == 0) bad("has world_size 0");
   m.optimizer = member(root, "optimizer", Value::Kind::string).string;
-  m.optimizer_fingerprint = hex(root, "optimizer_fingerprint", 16);
+  m.optimizer_fingerprint =
+      hex(member(root, "optimizer_fingerprint", Value::Kind::string).string, "optimizer_fingerprint", 16);
   m.state_count = static_cast<std::uint32_t>(count(root, "state_count", 2));
   if (!dtype_from_name(member(root, "param_dtype", Value::Kind::string).string, m.param_dtype) ||
       m.param_dtype == DType::fp64)
@@ -131,21 +202,24 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
   m.bucket_cap_bytes = count(root, "bucket_cap_bytes", UINT64_MAX);
   m.first_bucket_cap_bytes = count(root, "first_bucket_cap_bytes", UINT64_MAX);
   m.parameters_only = member(root, "parameters_only", Value::Kind::boolean).boolean;
-  for (const Value& t : member(root, "tensors", Value::Kind::array).items) {
+  if (!have_tensors) lacks("tensors");
+  m.tensors.reserve(tensors.size());
+  for (const Entry& t : tensors) {
     TensorSpec spec;
-    spec.name = member(t, "name", Value::Kind::string).string;
-    spec.numel = count(t, "numel", max_numel);
-    if (!dtype_from_name(member(t, "dtype", Value::Kind::string).string, spec.dtype) || spec.dtype != m.param_dtype)
+    spec.name = entry_string(t, 0, "name");
+    spec.numel = entry_count(t, 1, "numel", max_numel);
+    if (!dtype_from_name(entry_string(t, 2, "dtype"), spec.dtype) || spec.dtype != m.param_dtype)
       bad("gives tensor `" + spec.name + "` a dtype other than param_dtype");
     m.tensors.push_back(std::move(spec));
   }
-  for (const Value& f : member(root, "files", Value::Kind::array).items) {
+  if (!have_files) lacks("files");
+  for (const Entry& f : files) {
     CheckpointManifest::File file;
-    file.name = member(f, "name", Value::Kind::string).string;
+    file.name = entry_string(f, 0, "name");
     if (file.name.empty() || file.name.find('/') != std::string::npos || file.name[0] == '.')
       bad("names a file outside its directory: `" + file.name + "`");
-    file.bytes = count(f, "bytes", UINT64_MAX);
-    file.header_crc = static_cast<std::uint32_t>(hex(f, "header_crc32c", 8));
+    file.bytes = entry_count(f, 1, "bytes", UINT64_MAX);
+    file.header_crc = static_cast<std::uint32_t>(hex(entry_string(f, 2, "header_crc32c"), "header_crc32c", 8));
     m.files.push_back(std::move(file));
   }
   if (m.files.size() != (m.parameters_only ? 1u : m.world_size))

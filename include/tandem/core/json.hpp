@@ -47,9 +47,8 @@ inline const Value* Value::find(std::string_view key) const {
   return nullptr;
 }
 
-/// Appends the JSON string literal of s (quoted, with the escapes JSON requires) to out.
-inline void quote_into(std::string& out, std::string_view s) {
-  out += '"';
+/// Appends s to out with the escapes a JSON string literal requires (no quotes).
+inline void escape_into(std::string& out, std::string_view s) {
   std::size_t plain = 0;  // the start of a run that needs no escape, appended whole
   for (std::size_t i = 0; i < s.size(); ++i) {
     const auto c = static_cast<unsigned char>(s[i]);
@@ -81,6 +80,12 @@ inline void quote_into(std::string& out, std::string_view s) {
     }
   }
   out.append(s.substr(plain));
+}
+
+/// Appends the JSON string literal of s (quoted, with the escapes JSON requires) to out.
+inline void quote_into(std::string& out, std::string_view s) {
+  out += '"';
+  escape_into(out, s);
   out += '"';
 }
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -86,6 +87,7 @@ class SafetensorsWriter {
     if (repeated != entries_.size())
       detail::fail("tandem: " + what + " would hold two tensors named `" + entries_[repeated].name + "`");
     crcs_.assign(entries_.size(), 0);
+    buffer_.reserve(buffer_bytes);
     header_ = header();  // (the checksums' digits zero until commit)
     const std::uint64_t n = header_.size();
     file_.write(&n, 8);
@@ -93,7 +95,7 @@ class SafetensorsWriter {
   }
 
   /// The next n bytes of the data: the current tensor's, then the next ones' (a tensor may come in pieces). Small
-  /// pieces are gathered into one write of up to 8 MiB; large ones are written as they are.
+  /// pieces are gathered into one write of up to 1 MiB; large ones are written as they are.
   void data(const void* p, std::size_t n) {
     const auto* c = static_cast<const unsigned char*>(p);
     while (n > 0) {
@@ -126,7 +128,7 @@ class SafetensorsWriter {
   }
 
  private:
-  static constexpr std::size_t buffer_bytes = std::size_t{8} << 20;
+  static constexpr std::size_t buffer_bytes = std::size_t{1} << 20;
   static constexpr std::size_t data_alignment = 64;
 
   std::uint64_t bytes(std::size_t i) const { return entries_[i].count * dtype_size(entries_[i].dtype); }
@@ -148,8 +150,17 @@ class SafetensorsWriter {
   /// The header, with the checksums as they are now; where each one's digits are goes to crc_at_.
   std::string header() {
     using detail::json::quote_into;
-    std::string h = "{\"__metadata__\":{";
+    std::size_t estimate = 64;  // (reserved: a shard's header is megabytes)
+    for (const auto& [k, v] : metadata_) estimate += k.size() + v.size() + 8;
+    for (const SafetensorsEntry& e : entries_) estimate += 2 * e.name.size() + 128;
+    std::string h;
+    h.reserve(estimate);
+    h += "{\"__metadata__\":{";
     // (appended piece by piece: GCC 12 at -O3 warns falsely of overlapping copies in long `+` chains of strings)
+    auto number = [&](std::uint64_t v) {
+      char digits[24];
+      h.append(digits, std::to_chars(digits, digits + sizeof digits, v).ptr);
+    };
     bool first = true;
     for (const auto& [k, v] : metadata_) {
       if (!first) h += ',';
@@ -161,10 +172,12 @@ class SafetensorsWriter {
     crc_at_.resize(entries_.size());
     for (std::size_t i = 0; i < entries_.size(); ++i) {
       if (!first) h += ',';
-      quote_into(h, "crc32c/" + entries_[i].name);
-      h += ":\"";
+      h += "\"crc32c/";
+      detail::json::escape_into(h, entries_[i].name);
+      h += "\":\"";
       crc_at_[i] = h.size();
-      h += detail::hex8(crcs_[i]);
+      h.append(8, '0');
+      detail::write_hex(h.data() + crc_at_[i], crcs_[i], 8);
       h += '"';
       first = false;
     }
@@ -177,11 +190,11 @@ class SafetensorsWriter {
       h += ":{\"dtype\":\"";
       h += safetensors_dtype(e.dtype);
       h += "\",\"shape\":[";
-      h += std::to_string(e.count);
+      number(e.count);
       h += "],\"data_offsets\":[";
-      h += std::to_string(at);
+      number(at);
       h += ',';
-      h += std::to_string(at + bytes(i));
+      number(at + bytes(i));
       h += "]}";
       at += bytes(i);
     }
