@@ -237,9 +237,13 @@ struct SafetensorsHeader {
   std::vector<std::pair<std::string, std::string>> metadata;  ///< but the tensors' checksums, parsed into them
   detail::NameIndex by_name;                                  ///< over `tensors`
 
+  /// The index in `tensors` of the tensor named `name`, or detail::NameIndex::none.
+  std::size_t index(std::string_view name) const {
+    return by_name.find(name, [&](std::size_t k) -> std::string_view { return tensors[k].name; });
+  }
   /// The tensor named `name`, or null.
   const SafetensorsTensor* find(std::string_view name) const {
-    const std::size_t i = by_name.find(name, [&](std::size_t k) -> std::string_view { return tensors[k].name; });
+    const std::size_t i = index(name);
     return i == detail::NameIndex::none ? nullptr : &tensors[i];
   }
   /// The value of metadata key k (its first), or null.
@@ -264,9 +268,12 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
   std::string dtype;
   std::vector<std::uint64_t> offsets;
   bool has_dtype = false, has_shape = false, has_offsets = false, sizes = true;
-  auto sizes_into = [&](std::vector<std::uint64_t>& out, bool& seen) {
+  auto once = [&](bool& seen) {
     if (seen) safetensors_corrupt(path, "the entry of `" + t.name + "` has a member twice");
     seen = true;
+  };
+  auto sizes_into = [&](std::vector<std::uint64_t>& out, bool& seen) {
+    once(seen);
     if (p.next() != '[') {
       (void)p.value(2);
       sizes = false;
@@ -280,9 +287,8 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
   };
   p.object([&](std::string_view key) {
     if (key == "dtype") {
-      if (has_dtype) safetensors_corrupt(path, "the entry of `" + t.name + "` has a member twice");
-      has_dtype = p.next() == '"';
-      if (!has_dtype) safetensors_corrupt(path, "the dtype of `" + t.name + "` is not a string");
+      once(has_dtype);
+      if (p.next() != '"') safetensors_corrupt(path, "the dtype of `" + t.name + "` is not a string");
       dtype = p.string();
     } else if (key == "shape") {
       sizes_into(t.shape, has_shape);
@@ -375,15 +381,15 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::ui
   if (repeated != h.tensors.size())
     detail::safetensors_corrupt(path, "it names `" + h.tensors[repeated].name + "` twice");
   for (auto& [name, v] : crcs) {
-    const SafetensorsTensor* t = h.find(name);
-    if (t == nullptr) {  // a checksum of no tensor here: kept as the metadata it is
+    const std::size_t i = h.index(name);
+    if (i == detail::NameIndex::none) {  // a checksum of no tensor here: kept as the metadata it is
       h.metadata.emplace_back(std::string(crc_key) + name, std::move(v));
       continue;
     }
+    SafetensorsTensor& tensor = h.tensors[i];
     std::uint64_t value = 0;
     if (!detail::parse_hex(v, 8, value))
-      detail::safetensors_corrupt(path, "the checksum of `" + t->name + "` is not 8 hex digits");
-    SafetensorsTensor& tensor = h.tensors[static_cast<std::size_t>(t - h.tensors.data())];
+      detail::safetensors_corrupt(path, "the checksum of `" + tensor.name + "` is not 8 hex digits");
     tensor.has_crc = true;
     tensor.crc = static_cast<std::uint32_t>(value);
   }
