@@ -4,9 +4,9 @@
 // state arrays), against plain POSIX I/O of the same bytes to the same directory in the same run:
 //   save  x_plain = (the same files written with write() + fsync over files of the same size, a thread per rank) /
 //                   save time (a save replaces the previous checkpoint: it removes the files only that one named)
-//   load  x_plain = (the same bytes read with pread(), a thread per rank) / load time
-// where the bytes a rank of a load reads are its own file and, of every other file, the parameters (OptimizerSharded
-// keeps all of them on every rank: at 2 ranks a load reads 4/3 of the files' bytes)
+//   load  x_plain = (the same files read with pread(), a thread per rank) / load time
+// (at the saving plan a rank of a load reads its own file, and gathers the parameters it keeps beyond its shard from
+// the other ranks)
 // (1.0: as fast as plain I/O of the checkpoint's bytes; the goal is >= 0.7), each the best of 3 rounds that alternate
 // the two. Loading follows a save, so both read the files from the page cache, as a resume on the same machine would.
 // The save's host memory beyond what training holds is counted too: peak_host_MB, the peak of the bytes it allocates
@@ -74,64 +74,23 @@ std::vector<std::pair<std::string, std::uintmax_t>> files_of(const std::string& 
   return out;
 }
 
-// What rank k's thread of the plain I/O writes or reads: byte ranges of the checkpoint's files.
-struct Range {
-  std::size_t file = 0;
-  std::uintmax_t begin = 0, end = 0;
-};
-
-// The bytes each rank of a load reads: its own file whole, and of every other file the parameters (the tensors named
-// neither "master/..." nor "state<k>/...", first in the data section), which OptimizerSharded keeps whole on every
-// rank.
-std::vector<std::vector<Range>> load_ranges(const std::vector<std::pair<std::string, std::uintmax_t>>& files) {
-  std::vector<Range> params;
-  for (std::size_t j = 0; j < files.size(); ++j) {
-    const tandem::SafetensorsFile f(files[j].first);
-    std::uintmax_t bytes = 0, first = UINTMAX_MAX;
-    for (const auto& t : f.tensors())
-      if (t.name.rfind("master/", 0) != 0 && t.name.rfind("state", 0) != 0) {
-        bytes += t.end - t.begin;
-        first = std::min<std::uintmax_t>(first, t.begin);
-      }
-    if (first != 0) std::abort();  // (they come first)
-    const std::uintmax_t data = f.size() - [&] {
-      std::uintmax_t all = 0;
-      for (const auto& t : f.tensors()) all += t.end - t.begin;
-      return all;
-    }();
-    params.push_back({j, data, data + bytes});
-  }
-  std::vector<std::vector<Range>> out(files.size());
-  for (std::size_t k = 0; k < files.size(); ++k)
-    for (std::size_t j = 0; j < files.size(); ++j) out[k].push_back(j == k ? Range{j, 0, files[j].second} : params[j]);
-  return out;
-}
-
-// Seconds for one thread per rank to write (with fsync) or read the same bytes as the checkpoint, as plain files in
-// `dir`, each thread from or into a buffer of its bytes (touched beforehand), as a program would write or read its
-// state with plain POSIX calls: the same bytes, the same memory traffic, no checksum, no format. A save writes each
-// file once, over the file of its previous save; a load reads load_ranges().
+// Seconds for one thread per rank to write (with fsync) or read the checkpoint's files, as plain files in `dir`, each
+// thread from or into a buffer of its file's size (touched beforehand), as a program would write or read its state with
+// plain POSIX calls: the same bytes, the same memory traffic, no checksum, no format. A save writes each file over the
+// file of its previous save.
 double plain_io(const std::string& dir, const std::vector<std::pair<std::string, std::uintmax_t>>& files, bool write) {
-  std::vector<std::vector<Range>> ranges(files.size());
-  if (write)
-    for (std::size_t k = 0; k < files.size(); ++k) ranges[k] = {{k, 0, files[k].second}};
-  else
-    ranges = load_ranges(files);
   std::vector<std::string> paths;
   std::vector<tandem::HostBuffer<char>> buffers;
   for (std::size_t k = 0; k < files.size(); ++k) {
     paths.push_back(dir + "/plain" + std::to_string(k));
-    std::uintmax_t bytes = 0;
-    for (const Range& r : ranges[k]) bytes += r.end - r.begin;
-    buffers.emplace_back(static_cast<std::size_t>(bytes));
+    buffers.emplace_back(static_cast<std::size_t>(files[k].second));
     std::memset(buffers.back().data(), 3, buffers.back().bytes());
   }
   // The files written beforehand: to read (from the page cache, as the checkpoint's are), or to write over (truncated
   // and written again, as a save replaces the previous checkpoint, whose files it removes).
   for (std::size_t k = 0; k < files.size(); ++k) {
-    std::vector<char> bytes(static_cast<std::size_t>(files[k].second), 3);
     const int fd = ::open(paths[k].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (::write(fd, bytes.data(), bytes.size()) != ssize_t(bytes.size())) std::abort();
+    if (::write(fd, buffers[k].data(), buffers[k].bytes()) != ssize_t(buffers[k].bytes())) std::abort();
     if (write) ::fsync(fd);
     ::close(fd);
   }
@@ -141,18 +100,15 @@ double plain_io(const std::string& dir, const std::vector<std::pair<std::string,
   for (std::size_t k = 0; k < files.size(); ++k)
     workers.emplace_back([&, k] {
       char* p = buffers[k].data();
-      for (const Range& r : ranges[k]) {
-        const int fd = write ? ::open(paths[r.file].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)
-                             : ::open(paths[r.file].c_str(), O_RDONLY);
-        for (std::uintmax_t at = r.begin; at < r.end; at += chunk) {
-          const auto n = static_cast<std::size_t>(std::min<std::uintmax_t>(chunk, r.end - at));
-          const ssize_t done = write ? ::write(fd, p, n) : ::pread(fd, p, n, off_t(at));
-          if (done != ssize_t(n)) std::abort();
-          p += n;
-        }
-        if (write) ::fsync(fd);
-        ::close(fd);
+      const int fd =
+          write ? ::open(paths[k].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644) : ::open(paths[k].c_str(), O_RDONLY);
+      for (std::uintmax_t at = 0; at < files[k].second; at += chunk) {
+        const auto n = static_cast<std::size_t>(std::min<std::uintmax_t>(chunk, files[k].second - at));
+        const ssize_t done = write ? ::write(fd, p + at, n) : ::pread(fd, p + at, n, off_t(at));
+        if (done != ssize_t(n)) std::abort();
       }
+      if (write) ::fsync(fd);
+      ::close(fd);
     });
   workers.clear();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

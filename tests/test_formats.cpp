@@ -161,6 +161,116 @@ TEST_CASE("safetensors: written in pieces, read back by range, and refused when 
   }
 }
 
+TEST_CASE("safetensors: pieces written in place, copied or whole, adjacent or scattered, land in order") {
+  const std::string path = test::temp_path("pieces") + ".safetensors";
+  std::vector<float> a(5000), b(300000), c(4000), c_back(2000);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(i) * 0.5f;
+  for (std::size_t i = 0; i < c.size(); ++i) c[i] = static_cast<float>(i) * 0.25f;
+  {
+    tandem::SafetensorsWriter w(path,
+                                {{"a", tandem::DType::fp32, a.size()},
+                                 {"b", tandem::DType::fp32, b.size()},
+                                 {"c", tandem::DType::fp32, c.size() / 2}},
+                                {}, "the test file");
+    for (std::size_t i = 0; i < a.size(); i += 2) w.data_in_place(&a[i], 8);  // adjacent: joined
+    w.data(b.data(), b.size() * 4);                                           // over 1 MiB: written whole
+    for (std::size_t i = 0; i < c.size(); i += 2) {  // every other element: 2,000 pieces, over a call's most
+      if (i % 4 == 0)
+        w.data_in_place(&c[i], 4);
+      else
+        w.data(&c[i], 4);
+    }
+    w.commit();
+  }
+  const tandem::SafetensorsFile f(path);
+  std::vector<float> a_back(a.size()), b_back(b.size());
+  f.read(f.find("a")->begin, a_back.data(), a_back.size() * 4);
+  f.read(f.find("b")->begin, b_back.data(), b_back.size() * 4);
+  f.read(f.find("c")->begin, c_back.data(), c_back.size() * 4);
+  CHECK(a_back == a);
+  CHECK(b_back == b);
+  for (std::size_t i = 0; i < c_back.size(); ++i) REQUIRE(c_back[i] == c[2 * i]);
+  std::uint32_t crc = 0;
+  CHECK(f.recorded_crc("c", crc));
+  CHECK(crc == tandem::detail::crc32c(c_back.data(), c_back.size() * 4));
+  std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: the checksums in one metadata value in data order, or per name as earlier files have them") {
+  using tandem::parse_safetensors_header;
+  // Two tensors whose header order is not their data order: the digits go by the data.
+  const std::string entries =
+      R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  const tandem::SafetensorsHeader h =
+      parse_safetensors_header(R"({"__metadata__":{"crc32c":"0000000a0000000b","k":"v"},)" + entries + "}", 8, "h");
+  REQUIRE(h.find("a") != nullptr);
+  CHECK(h.find("a")->has_crc);
+  CHECK(h.find("a")->crc == 0xau);
+  CHECK(h.find("b")->crc == 0xbu);
+  CHECK(h.find_metadata("crc32c") == nullptr);  // (parsed into the tensors)
+  CHECK(*h.find_metadata("k") == "v");
+  // The earlier form: a key per tensor (and one of no tensor kept as metadata).
+  const tandem::SafetensorsHeader earlier = parse_safetensors_header(
+      R"({"__metadata__":{"crc32c/a":"0000000c","crc32c/zz":"00000001"},)" + entries + "}", 8, "h");
+  CHECK(earlier.find("a")->crc == 0xcu);
+  CHECK(!earlier.find("b")->has_crc);
+  CHECK(*earlier.find_metadata("crc32c/zz") == "00000001");
+  for (const char* digits : {"0000000a", "0000000a0000000b0", "0000000a0000000G"}) {
+    CAPTURE(digits);
+    const std::string header = R"({"__metadata__":{"crc32c":")" + std::string(digits) + R"("},)" + entries + "}";
+    CHECK_THROWS_WITH_AS(
+        parse_safetensors_header(header, 8, "h"),
+        doctest::Contains(std::string(digits).size() == 16 ? "is not 8 hex digits" : "not 8 hex digits for each"),
+        tandem::error);
+  }
+  // The writer keeps the key for itself.
+  const std::string path = test::temp_path("crc_key") + ".safetensors";
+  const auto write = [&] {
+    tandem::SafetensorsWriter w(path, {{"a", tandem::DType::fp32, 1}}, {{"crc32c", "x"}}, "f");
+  };
+  CHECK_THROWS_WITH_AS(write(), doctest::Contains("cannot take metadata `crc32c`"), tandem::error);
+  CHECK(!std::filesystem::exists(path));
+}
+
+TEST_CASE("safetensors: an entry in any valid form parses as the same entry in the writers' form") {
+  // The writers' form (matched byte for byte), then the same entry with white space, its members in another order,
+  // an unknown member, or numbers too long for the quick path; each must give the same tensor.
+  const std::pair<std::string, std::vector<std::uint64_t>> forms[] = {
+      {R"({"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]})", {2, 3}},
+      {R"({ "dtype" : "BF16", "shape" : [ 2 , 3 ], "data_offsets" : [ 0 , 12 ] })", {2, 3}},
+      {R"({"shape":[2,3],"data_offsets":[0,12],"dtype":"BF16"})", {2, 3}},
+      {R"({"dtype":"BF16","shape":[2,3],"data_offsets":[0,12],"x":[1]})", {2, 3}},
+      {R"({"dtype":"BF16","shape":[6],"data_offsets":[0,0000000000000000000012]})", {}},  // (not JSON: refused)
+      {R"({"dtype":"BF16","shape":[00000000000000000006],"data_offsets":[0,12]})", {}},
+      {R"({"dtype":"BF16","shape":[6],"data_offsets":[0,12.0]})", {}},
+      {R"({"dtype":"BF16","shape":[],"data_offsets":[0,2]})", {}},  // a scalar: one element
+  };
+  for (const auto& [entry, shape] : forms) {
+    CAPTURE(entry);
+    const std::string header = "{\"t\":" + entry + "}";
+    const bool scalar = entry.find("[]") != std::string::npos;
+    const bool valid = !shape.empty() || scalar;
+    if (!valid) {
+      CHECK_THROWS_AS(tandem::parse_safetensors_header(header, 12, "h"), tandem::error);
+      continue;
+    }
+    const tandem::SafetensorsHeader h = tandem::parse_safetensors_header(header, scalar ? 2 : 12, "h");
+    REQUIRE(h.tensors.size() == 1);
+    CHECK(h.tensors[0].dtype == tandem::DType::bf16);
+    CHECK(h.tensors[0].shape == shape);
+    CHECK(h.tensors[0].end == (scalar ? 2u : 12u));
+  }
+  // A 20-digit offset (below 2^64) is exact; one of 2^64 or more is not a size.
+  const std::string big =
+      R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[18446744073709551615,18446744073709551615]}})";
+  CHECK_THROWS_WITH_AS(tandem::parse_safetensors_header(big, 0, "h"), doctest::Contains("does not start where"),
+                       tandem::error);
+  const std::string over = R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[18446744073709551616,0]}})";
+  CHECK_THROWS_WITH_AS(tandem::parse_safetensors_header(over, 0, "h"), doctest::Contains("are not sizes"),
+                       tandem::error);
+}
+
 TEST_CASE("the manifest: written, parsed back the same, and refused when incomplete or of another version") {
   tandem::CheckpointManifest m;
   m.step = 12;

@@ -7,15 +7,19 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "tandem/core/error.hpp"
 
@@ -36,6 +40,13 @@ inline std::string unique_temp_name(const std::string& path) {
 
 class AtomicFile {
  public:
+  /// The most pieces one call of write(pieces) writes (the system's IOV_MAX).
+#ifdef IOV_MAX
+  static constexpr std::size_t max_pieces = IOV_MAX;
+#else
+  static constexpr std::size_t max_pieces = 16;  // (POSIX's least IOV_MAX)
+#endif
+
   /// Creates the temporary file; `what` names the file in errors ("the checkpoint").
   AtomicFile(std::string path, std::string what)
       : path_(std::move(path)), temp_(unique_temp_name(path_)), what_(std::move(what)) {
@@ -60,6 +71,38 @@ class AtomicFile {
       fail("tandem: simulated crash while writing " + what_);
     }
     put(data, n, written_);
+    written_ += n;
+  }
+  /// Appends the pieces, in order, with as few calls as the system allows (max_pieces each); `pieces` is consumed
+  /// (advanced past what a call wrote).
+  void write(std::vector<struct iovec>& pieces) {
+    std::size_t n = 0;
+    for (const struct iovec& v : pieces) n += v.iov_len;
+    const std::size_t limit = checkpoint_fault_after_bytes();
+    if (limit != 0 && written_ + n > limit) {  // (the simulated crash, as write() has it)
+      for (const struct iovec& v : pieces) write(v.iov_base, v.iov_len);
+      return;
+    }
+    std::uint64_t offset = written_;
+    for (std::size_t first = 0; first < pieces.size();) {
+      if (pieces[first].iov_len == 0) {
+        ++first;
+        continue;
+      }
+      const int count = static_cast<int>(std::min(pieces.size() - first, max_pieces));
+      const ssize_t w = ::pwritev(fd_, pieces.data() + first, count, static_cast<off_t>(offset));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) fail("tandem: cannot write " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+      offset += static_cast<std::uint64_t>(w);
+      for (auto done = static_cast<std::size_t>(w); done > 0;) {  // past the pieces it wrote, into one it began
+        struct iovec& v = pieces[first];
+        const std::size_t k = std::min(done, v.iov_len);
+        v.iov_base = static_cast<char*>(v.iov_base) + k;
+        v.iov_len -= k;
+        done -= k;
+        if (v.iov_len == 0) ++first;
+      }
+    }
     written_ += n;
   }
   /// Overwrites n bytes at `offset` (inside what was written).

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -105,14 +106,38 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
          not_count[3] = {false, false, false};
   };
   json::Parser p(text, "the checkpoint manifest `" + path + "`");
+  // An entry in the form manifest_json writes it, {"k0": v0, "k1": v1, "k2": v2}, each value a string or a count:
+  // matched byte for byte into e; anything else leaves the cursor where it was (false), for the general path below.
+  auto as_written = [&](const char* const(&keys)[3], Entry& e) {
+    const std::size_t mark = p.position();
+    for (std::size_t k = 0; k < 3; ++k) {
+      bool ok = p.take(k == 0 ? "{\"" : ", \"") && p.take(keys[k]) && p.take("\": ");
+      if (ok && p.take_count(e.counts[k]))
+        e.have_count[k] = true;
+      else if (ok && p.next() == '"')
+        e.have_string[k] = true, e.strings[k] = p.string();
+      else
+        ok = false;
+      if (!ok) {
+        p.rewind(mark);
+        e = Entry{};
+        return false;
+      }
+    }
+    return p.take("}") || (p.rewind(mark), e = Entry{}, false);
+  };
   // (What is not a list of objects is read whole and left empty, to fail in the checks below, in their order.)
-  auto entries = [&](const char* const(&keys)[3], std::vector<Entry>& out) {
+  auto entries = [&](const char* const(&keys)[3], std::deque<Entry>& out) {
     if (p.next() != '[') {
       (void)p.value(1);
       return false;
     }
     p.array([&] {
       Entry e;
+      if (p.next() == '{' && as_written(keys, e)) {
+        out.push_back(std::move(e));
+        return;
+      }
       if (p.next() != '{') {
         (void)p.value(2);
         out.push_back(e);
@@ -138,7 +163,7 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
   };
   Value root;  // the members other than the two lists
   root.kind = Value::Kind::object;
-  std::vector<Entry> tensors, files;
+  std::deque<Entry> tensors, files;  // (a deque: entries are not moved as it grows)
   bool seen_tensors = false, seen_files = false, have_tensors = false, have_files = false;
   if (p.next() != '{') {  // JSON, but not an object: no member of a manifest (or not JSON: that error)
     (void)p.value(0);

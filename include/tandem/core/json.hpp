@@ -301,6 +301,33 @@ class Parser {
     return is_count;
   }
 
+  /// Where the cursor is, for rewind(): a reader may try a form it expects and go back if the text has another.
+  std::size_t position() const { return at_; }
+  void rewind(std::size_t at) { at_ = at; }
+
+  /// Consumes `s` if the text at the cursor is exactly `s` (no white space skipped).
+  bool take(std::string_view s) {
+    if (text_.size() - at_ < s.size() || std::memcmp(text_.data() + at_, s.data(), s.size()) != 0) return false;
+    at_ += s.size();
+    return true;
+  }
+
+  /// Consumes a non-negative integer of at most 19 digits written as JSON writes it (no leading zero) at the cursor,
+  /// into `out`; leaves the cursor where it was at anything else (false). A '.' or an exponent after the digits is
+  /// not looked at: the caller's next take() fails there.
+  bool take_count(std::uint64_t& out) {
+    std::size_t i = at_;
+    std::uint64_t n = 0;
+    while (i < text_.size() && i - at_ < 19 && text_[i] >= '0' && text_[i] <= '9')
+      n = n * 10 + static_cast<std::uint64_t>(text_[i++] - '0');
+    const std::size_t digits = i - at_;
+    if (digits == 0 || (digits > 1 && text_[at_] == '0') || (i < text_.size() && text_[i] >= '0' && text_[i] <= '9'))
+      return false;
+    at_ = i;
+    out = n;
+    return true;
+  }
+
   /// Fails naming the byte at the cursor.
   [[noreturn]] void bad(const std::string& why) const {
     fail("tandem: " + what_ + " is not valid JSON: " + why + " (at byte " + std::to_string(at_) + ")");

@@ -6,16 +6,18 @@
 //
 //   {"__metadata__": {"k": "v", ...}, "<name>": {"dtype": "F32", "shape": [n], "data_offsets": [b, e]}, ...}
 //
-// SafetensorsWriter streams a file of 1-D tensors declared up front, in bounded memory, and records each tensor's
-// CRC-32C in the metadata (`crc32c/<name>`, 8 hex digits, so the header's length is known before the data and the
-// digits are written in place at commit; the header's own CRC then covers the file); SafetensorsFile reads a header
-// (as a stream: no JSON document is built), validates it as the reference implementation does, finds tensors by name
-// through a hash index, and reads ranges. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are refused
-// by name.
+// SafetensorsWriter streams a file of 1-D tensors declared up front, in bounded memory, and records every tensor's
+// CRC-32C in one metadata value (`crc32c`: 8 hex digits per tensor, in the order of their data, so the header's length
+// is known before the data and the digits are written in place at commit; the header's own CRC then covers the file);
+// SafetensorsFile reads a header (as a stream: no JSON document is built; entries in the form the writers write are
+// matched byte for byte, any other form parsed in full), validates it as the reference implementation does, finds
+// tensors by name through a hash index, and reads ranges. Files of the earlier form (a `crc32c/<name>` key per tensor)
+// read the same. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are refused by name.
 #pragma once
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -86,32 +88,23 @@ class SafetensorsWriter {
         names.build(entries_.size(), [&](std::size_t k) -> std::string_view { return entries_[k].name; });
     if (repeated != entries_.size())
       detail::fail("tandem: " + what + " would hold two tensors named `" + entries_[repeated].name + "`");
+    for (const auto& [k, v] : metadata_)
+      if (k == "crc32c" || k.starts_with("crc32c/"))
+        detail::fail("tandem: " + what + " cannot take metadata `" + k + "`: the writer records the checksums there");
     crcs_.assign(entries_.size(), 0);
-    buffer_.reserve(buffer_bytes);
     header_ = header();  // (the checksums' digits zero until commit)
     const std::uint64_t n = header_.size();
     file_.write(&n, 8);
     file_.write(header_.data(), header_.size());
   }
 
-  /// The next n bytes of the data: the current tensor's, then the next ones' (a tensor may come in pieces). Small
-  /// pieces are gathered into one write of up to 1 MiB; large ones are written as they are.
-  void data(const void* p, std::size_t n) {
-    const auto* c = static_cast<const unsigned char*>(p);
-    while (n > 0) {
-      while (current_ < entries_.size() && done_ == bytes(current_)) {
-        ++current_;
-        done_ = 0;
-      }
-      if (current_ == entries_.size()) detail::fail("tandem: internal error: more data than the declared tensors");
-      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(n, bytes(current_) - done_));
-      crcs_[current_] = detail::crc32c(c, k, crcs_[current_]);
-      put(c, k);
-      c += k;
-      n -= k;
-      done_ += k;
-    }
-  }
+  /// The next n bytes of the data: the current tensor's, then the next ones' (a tensor may come in pieces), copied (p
+  /// may change once this returns). Small pieces are gathered into one write of up to 1 MiB; large ones are written as
+  /// they are.
+  void data(const void* p, std::size_t n) { append(static_cast<const unsigned char*>(p), n, false); }
+  /// As data(), but small pieces are written from where they are, as late as commit(): the bytes must stay unchanged
+  /// until then. (Pieces that lie next to each other in memory are written by one call, nothing copied.)
+  void data_in_place(const void* p, std::size_t n) { append(static_cast<const unsigned char*>(p), n, true); }
 
   /// Rewrites the header with every tensor's CRC (in place: same width) and commits the file atomically.
   SafetensorsSummary commit() {
@@ -120,7 +113,7 @@ class SafetensorsWriter {
     for (std::size_t i = 0; i < entries_.size(); ++i) expected += bytes(i);
     if (file_.written() - 8 - header_.size() != expected)
       detail::fail("tandem: internal error: a tensor's data was not written in full");
-    for (std::size_t i = 0; i < entries_.size(); ++i) detail::write_hex(header_.data() + crc_at_[i], crcs_[i], 8);
+    for (std::size_t i = 0; i < entries_.size(); ++i) detail::write_hex(header_.data() + crcs_at_ + 8 * i, crcs_[i], 8);
     file_.write_at(8, header_.data(), header_.size());
     const std::uint64_t size = file_.written();
     file_.commit();
@@ -133,26 +126,58 @@ class SafetensorsWriter {
 
   std::uint64_t bytes(std::size_t i) const { return entries_[i].count * dtype_size(entries_[i].dtype); }
 
-  void put(const unsigned char* p, std::size_t n) {
-    if (buffer_.size() + n > buffer_bytes) flush();
+  void append(const unsigned char* c, std::size_t n, bool in_place) {
+    while (n > 0) {
+      while (current_ < entries_.size() && done_ == bytes(current_)) {
+        ++current_;
+        done_ = 0;
+      }
+      if (current_ == entries_.size()) detail::fail("tandem: internal error: more data than the declared tensors");
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(n, bytes(current_) - done_));
+      crcs_[current_] = detail::crc32c(c, k, crcs_[current_]);
+      put(c, k, in_place);
+      c += k;
+      n -= k;
+      done_ += k;
+    }
+  }
+
+  /// Queues n bytes for the next gathered write (from where they are, or from a copy in buffer_), or writes a large
+  /// piece at once.
+  void put(const unsigned char* p, std::size_t n, bool in_place) {
     if (n >= buffer_bytes) {
+      flush();
       file_.write(p, n);
       return;
     }
-    buffer_.insert(buffer_.end(), p, p + n);
+    if (pending_bytes_ + n > buffer_bytes || pending_.size() == detail::AtomicFile::max_pieces) flush();
+    if (!in_place) {
+      if (buffer_.capacity() == 0) buffer_.reserve(buffer_bytes);  // (at most what is pending: never reallocated)
+      buffer_.insert(buffer_.end(), p, p + n);
+      p = buffer_.data() + buffer_.size() - n;
+    }
+    pending_bytes_ += n;
+    if (!pending_.empty() &&
+        static_cast<const unsigned char*>(pending_.back().iov_base) + pending_.back().iov_len == p) {
+      pending_.back().iov_len += n;  // (next to the previous piece)
+      return;
+    }
+    pending_.push_back({const_cast<unsigned char*>(p), n});
   }
   void flush() {
-    if (buffer_.empty()) return;
-    file_.write(buffer_.data(), buffer_.size());
+    if (pending_.empty()) return;
+    file_.write(pending_);
+    pending_.clear();
+    pending_bytes_ = 0;
     buffer_.clear();
   }
 
-  /// The header, with the checksums as they are now; where each one's digits are goes to crc_at_.
+  /// The header, with the checksums' digits zero; where they start goes to crcs_at_.
   std::string header() {
     using detail::json::quote_into;
     std::size_t estimate = 64;  // (reserved: a shard's header is megabytes)
     for (const auto& [k, v] : metadata_) estimate += k.size() + v.size() + 8;
-    for (const SafetensorsEntry& e : entries_) estimate += 2 * e.name.size() + 128;
+    for (const SafetensorsEntry& e : entries_) estimate += e.name.size() + 96;
     std::string h;
     h.reserve(estimate);
     h += "{\"__metadata__\":{";
@@ -161,26 +186,16 @@ class SafetensorsWriter {
       char digits[24];
       h.append(digits, std::to_chars(digits, digits + sizeof digits, v).ptr);
     };
-    bool first = true;
     for (const auto& [k, v] : metadata_) {
-      if (!first) h += ',';
       quote_into(h, k);
       h += ':';
       quote_into(h, v);
-      first = false;
+      h += ',';
     }
-    crc_at_.resize(entries_.size());
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-      if (!first) h += ',';
-      h += "\"crc32c/";
-      detail::json::escape_into(h, entries_[i].name);
-      h += "\":\"";
-      crc_at_[i] = h.size();
-      h.append(8, '0');
-      detail::write_hex(h.data() + crc_at_[i], crcs_[i], 8);
-      h += '"';
-      first = false;
-    }
+    h += "\"crc32c\":\"";
+    crcs_at_ = h.size();
+    h.append(8 * entries_.size(), '0');
+    h += '"';
     h += '}';
     std::uint64_t at = 0;
     for (std::size_t i = 0; i < entries_.size(); ++i) {
@@ -209,9 +224,11 @@ class SafetensorsWriter {
   std::vector<SafetensorsEntry> entries_;
   std::vector<std::pair<std::string, std::string>> metadata_;
   std::vector<std::uint32_t> crcs_;
-  std::vector<std::size_t> crc_at_;  ///< where the digits of crcs_[i] are in header_
+  std::size_t crcs_at_ = 0;  ///< where the digits of crcs_[0] are in header_ (each tensor's 8 follow)
   std::string header_;
-  std::vector<unsigned char> buffer_;
+  std::vector<unsigned char> buffer_;  ///< copies of the pending pieces given by data()
+  std::vector<struct iovec> pending_;  ///< what the next gathered write writes, in order
+  std::size_t pending_bytes_ = 0;
   std::size_t current_ = 0;
   std::uint64_t done_ = 0;
 };
@@ -222,7 +239,7 @@ struct SafetensorsTensor {
   DType dtype = DType::fp32;
   std::vector<std::uint64_t> shape;
   std::uint64_t begin = 0, end = 0;  ///< bytes of the data section
-  bool has_crc = false;              ///< whether the file's metadata records its CRC-32C (`crc32c/<name>`)
+  bool has_crc = false;              ///< whether the file's metadata records its CRC-32C
   std::uint32_t crc = 0;             ///< (has_crc)
   std::uint64_t count() const {
     std::uint64_t n = 1;
@@ -260,58 +277,98 @@ namespace detail {
   fail("tandem: `" + path + "` is not a valid safetensors file: " + why);
 }
 
-/// The entry of tensor `name` at the cursor: {"dtype": ..., "shape": [...], "data_offsets": [b, e]}, in any order.
+/// The dtype a safetensors name gives ("F32", "BF16", "F16", "F64"), or false.
+inline bool safetensors_dtype_of(std::string_view name, DType& out) {
+  for (const DType t : {DType::fp32, DType::bf16, DType::fp16, DType::fp64})
+    if (name == safetensors_dtype(t)) {
+      out = t;
+      return true;
+    }
+  return false;
+}
+
+/// The entry at the cursor in the form the writers write (tandem's and the reference implementation's): exactly
+/// {"dtype":"<one of tandem's>","shape":[n,...],"data_offsets":[b,e]}, no white space. Matched byte for byte into
+/// t.dtype, t.shape and `offsets`; anything else leaves the cursor where it was (false).
+inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, std::uint64_t (&offsets)[2]) {
+  const std::size_t mark = p.position();
+  auto undo = [&] {
+    p.rewind(mark);
+    t.shape.clear();
+    return false;
+  };
+  if (!p.take("{\"dtype\":\"")) return undo();
+  bool known = false;
+  for (const DType d : {DType::fp32, DType::bf16, DType::fp16, DType::fp64})
+    if (!known && p.take(safetensors_dtype(d)) && p.take("\"")) {
+      t.dtype = d;
+      known = true;
+    }
+  if (!known || !p.take(",\"shape\":[")) return undo();
+  if (!p.take("]")) {
+    do {
+      std::uint64_t d = 0;
+      if (!p.take_count(d)) return undo();
+      t.shape.push_back(d);
+    } while (p.take(","));
+    if (!p.take("]")) return undo();
+  }
+  if (!p.take(",\"data_offsets\":[") || !p.take_count(offsets[0]) || !p.take(",") || !p.take_count(offsets[1]) ||
+      !p.take("]}"))
+    return undo();
+  return true;
+}
+
+/// The entry of tensor `name` at the cursor: {"dtype": ..., "shape": [...], "data_offsets": [b, e]}, in any order
+/// (the writers' form matched byte for byte, any other parsed member by member).
 inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, const std::string& path) {
   if (p.next() != '{') safetensors_corrupt(path, "the entry of `" + name + "` is not an object");
   SafetensorsTensor t;
   t.name = std::move(name);
-  std::string dtype;
-  std::vector<std::uint64_t> offsets;
-  bool has_dtype = false, has_shape = false, has_offsets = false, sizes = true;
-  auto once = [&](bool& seen) {
-    if (seen) safetensors_corrupt(path, "the entry of `" + t.name + "` has a member twice");
-    seen = true;
-  };
-  auto sizes_into = [&](std::vector<std::uint64_t>& out, bool& seen) {
-    once(seen);
-    if (p.next() != '[') {
-      (void)p.value(2);
-      sizes = false;
-      return;
-    }
-    p.array([&] {
-      std::uint64_t d = 0;
-      sizes = p.count(d, 3) && sizes;
-      out.push_back(d);
+  std::uint64_t offsets[2] = {0, 0};
+  if (!safetensors_entry_as_written(p, t, offsets)) {
+    std::string dtype;
+    std::vector<std::uint64_t> offset_list;
+    bool has_dtype = false, has_shape = false, has_offsets = false, sizes = true;
+    auto once = [&](bool& seen) {
+      if (seen) safetensors_corrupt(path, "the entry of `" + t.name + "` has a member twice");
+      seen = true;
+    };
+    auto sizes_into = [&](std::vector<std::uint64_t>& out, bool& seen) {
+      once(seen);
+      if (p.next() != '[') {
+        (void)p.value(2);
+        sizes = false;
+        return;
+      }
+      p.array([&] {
+        std::uint64_t d = 0;
+        sizes = p.count(d, 3) && sizes;
+        out.push_back(d);
+      });
+    };
+    p.object([&](std::string_view key) {
+      if (key == "dtype") {
+        once(has_dtype);
+        if (p.next() != '"') safetensors_corrupt(path, "the dtype of `" + t.name + "` is not a string");
+        dtype = p.string();
+      } else if (key == "shape") {
+        sizes_into(t.shape, has_shape);
+      } else if (key == "data_offsets") {
+        sizes_into(offset_list, has_offsets);
+      } else {
+        (void)p.value(2);  // a member the format does not define: ignored, as the reference implementation does
+      }
     });
-  };
-  p.object([&](std::string_view key) {
-    if (key == "dtype") {
-      once(has_dtype);
-      if (p.next() != '"') safetensors_corrupt(path, "the dtype of `" + t.name + "` is not a string");
-      dtype = p.string();
-    } else if (key == "shape") {
-      sizes_into(t.shape, has_shape);
-    } else if (key == "data_offsets") {
-      sizes_into(offsets, has_offsets);
-    } else {
-      (void)p.value(2);  // a member the format does not define: ignored, as the reference implementation does
-    }
-  });
-  if (!has_dtype || !has_shape || !has_offsets || offsets.size() != 2)
-    safetensors_corrupt(path, "the entry of `" + t.name + "` lacks a dtype, a shape or two data_offsets");
-  if (!sizes) safetensors_corrupt(path, "the shape or data_offsets of `" + t.name + "` are not sizes");
-  if (dtype == "F32")
-    t.dtype = DType::fp32;
-  else if (dtype == "BF16")
-    t.dtype = DType::bf16;
-  else if (dtype == "F16")
-    t.dtype = DType::fp16;
-  else if (dtype == "F64")
-    t.dtype = DType::fp64;
-  else
-    fail("tandem: `" + path + "`: tensor `" + t.name + "` is " + dtype +
-         "; tandem reads F32, BF16, F16 and F64 tensors");
+    if (!has_dtype || !has_shape || !has_offsets || offset_list.size() != 2)
+      safetensors_corrupt(path, "the entry of `" + t.name + "` lacks a dtype, a shape or two data_offsets");
+    if (!sizes) safetensors_corrupt(path, "the shape or data_offsets of `" + t.name + "` are not sizes");
+    if (!safetensors_dtype_of(dtype, t.dtype))
+      fail("tandem: `" + path + "`: tensor `" + t.name + "` is " + dtype +
+           "; tandem reads F32, BF16, F16 and F64 tensors");
+    offsets[0] = offset_list[0];
+    offsets[1] = offset_list[1];
+  }
   std::uint64_t count = 1;
   for (const std::uint64_t d : t.shape) {
     if (d != 0 && count > (std::uint64_t{1} << 60) / d)
@@ -329,16 +386,20 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
 
 /// Parses and validates a safetensors header (the JSON text) for a data section of `data_bytes`, as the reference
 /// implementation does: an object; __metadata__ of strings; each tensor's dtype, shape and offsets consistent; the
-/// tensors contiguous in offset order, covering the data exactly; no name twice. The CRC-32C the metadata records of a
-/// tensor (`crc32c/<name>`, 8 hex digits) is parsed into it. `path` names the file in errors. Read as a stream (no
-/// document is built): a header of 30,000 entries parses in a few milliseconds.
+/// tensors contiguous in offset order, covering the data exactly; no name twice. The CRC-32Cs the metadata records
+/// (`crc32c`: 8 hex digits per tensor in the order of their data; or, as earlier files have them, `crc32c/<name>`) are
+/// parsed into the tensors. `path` names the file in errors. Read as a stream (no document is built).
 inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::uint64_t data_bytes,
                                                   const std::string& path) {
   if (text.empty() || text[0] != '{') detail::safetensors_corrupt(path, "its header does not start with '{'");
   detail::json::Parser p(text, "the header of `" + path + "`");
   SafetensorsHeader h;
-  constexpr std::string_view crc_key = "crc32c/";
-  std::vector<std::pair<std::string, std::string>> crcs;  // (tensor name, 8 hex digits), kept apart from the metadata
+  h.tensors.reserve(text.size() / 64);  // (an entry takes some 60 bytes or more: reserved for most headers)
+  constexpr std::string_view crc_key = "crc32c", name_crc_key = "crc32c/";
+  std::string crcs_scratch;
+  std::string_view crcs;  // (`crc32c`: a view of the text, which holds hex digits as they are)
+  bool has_crcs = false;
+  std::vector<std::pair<std::string, std::string>> named_crcs;  // (tensor name, 8 hex digits), from `crc32c/<name>`
   std::string scratch;
   p.object([&](std::string_view name) {
     if (name != "__metadata__") {
@@ -352,24 +413,35 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::ui
         why.append(k).append("` is not a string");
         detail::safetensors_corrupt(path, why);
       }
-      if (k.substr(0, crc_key.size()) == crc_key)
-        crcs.emplace_back(k.substr(crc_key.size()), p.text(scratch));
-      else
+      if (k == crc_key && !has_crcs) {
+        crcs = p.text(crcs_scratch);
+        has_crcs = true;
+      } else if (k.substr(0, name_crc_key.size()) == name_crc_key) {
+        named_crcs.emplace_back(k.substr(name_crc_key.size()), p.text(scratch));
+      } else {
         h.metadata.emplace_back(k, p.string());
+      }
     });
   });
   p.finish();
-  std::vector<std::size_t> by_offset(h.tensors.size());
-  for (std::size_t i = 0; i < by_offset.size(); ++i) by_offset[i] = i;
+  // The tensors in the order of their data: the header's order where that is it (as the writers write them).
   const auto offset_order = [&](std::size_t a, std::size_t b) {
     const SafetensorsTensor &x = h.tensors[a], &y = h.tensors[b];
     return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
   };
-  if (!std::is_sorted(by_offset.begin(), by_offset.end(), offset_order))  // (as tandem writes them)
-    std::sort(by_offset.begin(), by_offset.end(), offset_order);
+  std::vector<std::size_t> by_offset;
+  for (std::size_t i = 1; i < h.tensors.size() && by_offset.empty(); ++i)
+    if (offset_order(i, i - 1)) {
+      by_offset.resize(h.tensors.size());
+      for (std::size_t k = 0; k < by_offset.size(); ++k) by_offset[k] = k;
+      std::sort(by_offset.begin(), by_offset.end(), offset_order);
+    }
+  auto in_data_order = [&](std::size_t k) -> SafetensorsTensor& {
+    return h.tensors[by_offset.empty() ? k : by_offset[k]];
+  };
   std::uint64_t at = 0;
-  for (const std::size_t i : by_offset) {
-    const SafetensorsTensor& t = h.tensors[i];
+  for (std::size_t k = 0; k < h.tensors.size(); ++k) {
+    const SafetensorsTensor& t = in_data_order(k);
     if (t.begin != at)
       detail::safetensors_corrupt(path, "the data of `" + t.name + "` does not start where the previous tensor's ends");
     at = t.end;
@@ -380,18 +452,27 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::ui
       h.by_name.build(h.tensors.size(), [&](std::size_t k) -> std::string_view { return h.tensors[k].name; });
   if (repeated != h.tensors.size())
     detail::safetensors_corrupt(path, "it names `" + h.tensors[repeated].name + "` twice");
-  for (auto& [name, v] : crcs) {
-    const std::size_t i = h.index(name);
-    if (i == detail::NameIndex::none) {  // a checksum of no tensor here: kept as the metadata it is
-      h.metadata.emplace_back(std::string(crc_key) + name, std::move(v));
-      continue;
-    }
-    SafetensorsTensor& tensor = h.tensors[i];
+  auto set_crc = [&](SafetensorsTensor& tensor, std::string_view digits) {
     std::uint64_t value = 0;
-    if (!detail::parse_hex(v, 8, value))
+    if (!detail::parse_hex(digits, 8, value))
       detail::safetensors_corrupt(path, "the checksum of `" + tensor.name + "` is not 8 hex digits");
     tensor.has_crc = true;
     tensor.crc = static_cast<std::uint32_t>(value);
+  };
+  if (has_crcs) {
+    if (crcs.size() != 8 * h.tensors.size())
+      detail::safetensors_corrupt(path, "its crc32c metadata holds " + std::to_string(crcs.size()) +
+                                            " characters, not 8 hex digits for each of its " +
+                                            std::to_string(h.tensors.size()) + " tensors");
+    for (std::size_t k = 0; k < h.tensors.size(); ++k) set_crc(in_data_order(k), crcs.substr(8 * k, 8));
+  }
+  for (auto& [name, v] : named_crcs) {
+    const std::size_t i = h.index(name);
+    if (i == detail::NameIndex::none) {  // a checksum of no tensor here: kept as the metadata it is
+      h.metadata.emplace_back(std::string(name_crc_key) + name, std::move(v));
+      continue;
+    }
+    set_crc(h.tensors[i], v);
   }
   return h;
 }
@@ -452,7 +533,7 @@ class SafetensorsFile {
     }
   }
 
-  /// The CRC-32C that the file's metadata records for tensor `name` (crc32c/<name>), if it records one.
+  /// The CRC-32C that the file's metadata records for tensor `name`, if it records one.
   bool recorded_crc(std::string_view name, std::uint32_t& crc) const {
     const Tensor* t = find(name);
     if (t == nullptr || !t->has_crc) return false;

@@ -410,15 +410,16 @@ class DataParallel {
   }
 
   /// Restores the training state from a checkpoint, at any world size and under any policy: a directory written by
-  /// save_checkpoint (each rank reads only the saved slices that overlap what it keeps, each checked against its
-  /// checksum), a parameters-only one (tandem_checkpoint import: the parameters; master weights derived, optimizer
-  /// state and step zero), or a single file of tandem's earlier format. The tensors (names, sizes, dtypes) and the
-  /// optimizer must match. Collective. Every rank reads and checks the manifest (or file) before anything is changed;
-  /// if any rank fails there, or the ranks read different checkpoints, every rank throws and nothing changed. A slice
-  /// that fails its checksum while it is restored makes every rank throw too; the state is then partly overwritten,
-  /// and stepping is refused until a load succeeds. The accumulation window starts clean (no gradient of a
-  /// half-finished window survives). The restored state is bit for bit the saved one, and the user's parameter
-  /// buffers receive it.
+  /// save_checkpoint (each rank reads only the saved slices that overlap its owned range of each array, each checked
+  /// against its checksum, and gathers the parameters it keeps beyond that from their owners, as after an optimizer
+  /// step; at the saving plan, under a policy that shards the optimizer state, a rank reads its own file only), a
+  /// parameters-only one (tandem_checkpoint import: the parameters; master weights derived, optimizer state and step
+  /// zero), or a single file of tandem's earlier format. The tensors (names, sizes, dtypes) and the optimizer must
+  /// match. Collective. Every rank reads and checks the manifest (or file) before anything is changed; if any rank
+  /// fails there, or the ranks read different checkpoints, every rank throws and nothing changed. A slice that fails
+  /// its checksum while it is restored makes every rank throw too; the state is then partly overwritten, and stepping
+  /// is refused until a load succeeds. The accumulation window starts clean (no gradient of a half-finished window
+  /// survives). The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
   TANDEM_COLD void load_checkpoint(const std::string& path) {
     std::string problem;
     std::optional<CheckpointData> single;
@@ -472,6 +473,10 @@ class DataParallel {
       }
       try {
         all_ranks_succeed(problem);
+        // Each rank read its owned range of the parameters: the rest comes from the ranks that own it, as after an
+        // optimizer step (a gather where the policy keeps the full parameters and shards their update).
+        Ops ops{*this};
+        for (std::size_t b = 0; b < plan_.num_buckets(); ++b) P::after_update(ops, b);
       } catch (const std::exception& e) {
         restore_failed_ = std::string("load_checkpoint failed while restoring (") + e.what() +
                           "), so the state is partly overwritten; load a checkpoint that verifies";

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -114,11 +115,35 @@ inline std::vector<Slice> shard_slices(const Plan& plan, int rank) {
   return out;
 }
 
+/// What a slice's tensor name in a shard file ends with: "[begin:end]", or nothing where the slice is the whole tensor
+/// of `numel` elements (written into `buffer`).
+inline std::string_view slice_suffix(std::size_t begin, std::size_t end, std::size_t numel, char (&buffer)[48]) {
+  if (begin == 0 && end == numel) return {};
+  buffer[0] = '[';
+  char* p = std::to_chars(buffer + 1, buffer + 21, begin).ptr;  // (each number at most 20 digits)
+  *p++ = ':';
+  p = std::to_chars(p, p + 20, end).ptr;
+  *p++ = ']';
+  return {buffer, static_cast<std::size_t>(p - buffer)};
+}
+
 /// A slice's tensor name in a shard file: the array's prefix and the tensor's name, with "[begin:end]" unless whole.
 inline std::string slice_name(const CheckpointArray& a, const TensorSpec& t, std::size_t begin, std::size_t end) {
+  char buffer[48];
   std::string name = a.prefix + t.name;
-  if (begin != 0 || end != t.numel) name += "[" + std::to_string(begin) + ":" + std::to_string(end) + "]";
+  name += slice_suffix(begin, end, t.numel, buffer);
   return name;
+}
+
+/// Whether `name` is slice_name(a, t, begin, end) (without building it).
+inline bool is_slice_name(std::string_view name, const CheckpointArray& a, const TensorSpec& t, std::size_t begin,
+                          std::size_t end) {
+  char buffer[48];
+  if (!name.starts_with(a.prefix)) return false;
+  name.remove_prefix(a.prefix.size());
+  if (!name.starts_with(t.name)) return false;
+  name.remove_prefix(t.name.size());
+  return name == slice_suffix(begin, end, t.numel, buffer);
 }
 
 /// Bytes a checkpoint streams through host memory at a time.
@@ -159,14 +184,15 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
       {{"format", "tandem-checkpoint-shard"}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}},
       "the checkpoint shard");
   const std::size_t psize = dtype_size(param_dtype);
-  // Host memory is written from where it is (the host backend has nothing queued); other memory through one chunk.
+  // Host memory is written from where it is (the host backend has nothing queued, and nothing writes the state before
+  // commit); other memory through one chunk.
   std::vector<unsigned char> chunk(Backend::host_memory ? 0 : std::min(largest, checkpoint_chunk_bytes));
   for (const CheckpointArray& a : arrays)
     for (const Slice& s : slices) {
       const unsigned char* from = slice_source<P>(state, plan, rank, a, s, psize);
       const std::size_t bytes = (s.end - s.begin) * dtype_size(a.dtype);
       if constexpr (Backend::host_memory) {
-        out.data(from, bytes);
+        out.data_in_place(from, bytes);
       } else {
         for (std::size_t at = 0; at < bytes; at += chunk.size()) {
           const std::size_t n = std::min(chunk.size(), bytes - at);
@@ -184,7 +210,10 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
 class ShardedCheckpoint {
  public:
   ShardedCheckpoint(std::string dir, CheckpointManifest manifest, const Layout& layout)
-      : dir_(std::move(dir)), manifest_(std::move(manifest)), files_(manifest_.files.size()) {
+      : dir_(std::move(dir)),
+        manifest_(std::move(manifest)),
+        files_(manifest_.files.size()),
+        next_(manifest_.files.size(), 0) {
     if (manifest_.parameters_only) return;  // whole tensors in one file: no plan
     PlanOptions po;                         // the saving plan, as detail::plan_for cut it
     po.bucket_cap_bytes = static_cast<std::size_t>(manifest_.bucket_cap_bytes);
@@ -199,6 +228,8 @@ class ShardedCheckpoint {
   }
 
   const CheckpointManifest& manifest() const { return manifest_; }
+  /// Whether file `file` (of the manifest's list) has been opened.
+  bool opened(std::size_t file) const { return files_[file].has_value(); }
 
   /// Elements [lo, hi) of array `a` of layout tensor `tensor` (named `spec`) into `to` (backend memory, hi - lo
   /// elements), through `chunk` (host memory, checkpoint_chunk_bytes, allocated here when first needed; the backend's
@@ -275,11 +306,18 @@ class ShardedCheckpoint {
       const std::size_t from = std::max(lo, begin), until = std::min(hi, end);
       if (from >= until) return;
       const SafetensorsFile& f = open(file);
-      const std::string name = slice_name(a, spec, begin, end);
-      const SafetensorsFile::Tensor* t = f.find(name);
-      if (t == nullptr) f.corrupt("it lacks `" + name + "`");
-      if (t->dtype != a.dtype || t->count() != end - begin) f.corrupt("`" + name + "` has the wrong dtype or size");
-      if (!t->has_crc) f.corrupt("it records no checksum for `" + name + "`");
+      // The entry after the last one found in this file first (slices are read in the order of the file's data when
+      // the plan is the saving one), else the one of this name.
+      const std::vector<SafetensorsFile::Tensor>& entries = f.tensors();
+      std::size_t& next = next_[file];
+      const SafetensorsFile::Tensor* t = nullptr;
+      if (next < entries.size() && is_slice_name(entries[next].name, a, spec, begin, end))
+        t = &entries[next];
+      else if ((t = f.find(slice_name(a, spec, begin, end))) == nullptr)
+        f.corrupt("it lacks `" + slice_name(a, spec, begin, end) + "`");
+      next = static_cast<std::size_t>(t - entries.data()) + 1;
+      if (t->dtype != a.dtype || t->count() != end - begin) f.corrupt("`" + t->name + "` has the wrong dtype or size");
+      if (!t->has_crc) f.corrupt("it records no checksum for `" + t->name + "`");
       if (chunk == nullptr) return;
       const std::uint64_t bytes = (end - begin) * size;
       unsigned char* into = direct(begin, end);
@@ -314,7 +352,7 @@ class ShardedCheckpoint {
         // byte c0 of the slice is element begin + c0 / size: (begin - lo) * size + c0 bytes from element lo
         if (c0 < c1) sink(chunk->data() + (c0 - at), static_cast<std::size_t>(c1 - c0), c0 + begin * size - lo * size);
       }
-      if (crc != expected) mismatch(f, name, crc, expected);
+      if (crc != expected) mismatch(f, t->name, crc, expected);
     };
     if (manifest_.parameters_only) {
       piece(0, 0, spec.numel);
@@ -349,6 +387,7 @@ class ShardedCheckpoint {
   CheckpointManifest manifest_;
   Plan saved_;
   std::vector<std::optional<SafetensorsFile>> files_;
+  std::vector<std::size_t> next_;  ///< per file: the index of the entry after the last one found there
   struct Run {  // slices adjacent in file `file` (bytes [file_begin, file_end)) and in host memory [to, to_end)
     std::size_t file = 0;
     std::uint64_t file_begin = 0, file_end = 0;
@@ -357,11 +396,13 @@ class ShardedCheckpoint {
   } run_;
 };
 
-/// Copies what this rank keeps of an opened sharded checkpoint into its state, on the backend's work stream (waited
-/// for): the full parameters (where it keeps them) or its parameter shard, and over its owned ranges the master
-/// weights and optimizer state (none from a parameters-only checkpoint). Throws tandem::error at the first slice that
-/// fails its checksum; what was copied before it stays copied.
-/// With Restore::check, it only opens and checks the files it would read (ShardedCheckpoint::read with no destination).
+/// Copies this rank's owned range of every array of an opened sharded checkpoint into its state, on the backend's work
+/// stream (waited for): of the parameters, into the full parameters where it keeps them (the rest of them is the other
+/// ranks' to read: the caller gathers them as after an optimizer step, through the policy's after_update) or into its
+/// parameter shard; of the master weights and optimizer state (none from a parameters-only checkpoint), into its
+/// shards of them. Throws tandem::error at the first slice that fails its checksum; what was copied before it stays
+/// copied. With Restore::check, it only opens and checks the files it would read (ShardedCheckpoint::read with no
+/// destination).
 enum class Restore { check, copy };
 
 template <Policy P, class Backend>
@@ -384,10 +425,6 @@ TANDEM_COLD void restore_sharded(const Backend& backend, const Plan& plan, const
     for (const std::size_t i : order) {
       const std::size_t first = plan.flat_offset(i), n = layout[i].numel, b = plan.placement(i).bucket;
       if (n == 0) continue;
-      if (a.kind == Kind::params && state.param_flat() != nullptr) {
-        ckpt.read(backend, a, i, layout[i], 0, n, copy ? state.param_flat() + first * psize : nullptr, chunk);
-        continue;
-      }
       const Range owned = owned_range<P>(plan, b, rank);
       const std::size_t own_lo = std::max(first, owned.begin), own_hi = std::min(first + n, owned.end);
       if (own_lo >= own_hi) continue;
