@@ -412,7 +412,8 @@ TEST_CASE("DataParallel over DeviceGroup: accumulation, and a checkpoint saved a
 TEST_CASE("CUDA launch of more items than the grid-stride cap reaches every item exactly once") {
   test::require_gpus(1);
   const CudaBackend backend;
-  const std::size_t items = 3 * std::size_t{tandem::max_grid_blocks} + 7;
+  // three grids' worth of items (a warp each) and a few: the grid-stride loop reaches the rest
+  const std::size_t items = 3 * std::size_t{backend.max_blocks()} * tandem::items_per_block + 7;
   Device<unsigned> out(items);
   backend.zero(out.p, items * sizeof(unsigned), backend.stream());  // on the stream the launch runs on
   backend.launch(items, MarkBody{out.p}, backend.stream());

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA pack/unpack launches, emulated exactly on the host. For each bucket the CUDA backend launches
-// PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp); block b runs
-// items b, b + grid, ... and its threads are the lanes. The item tables it reads are the ResidentPackTables
+// PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp), a warp per item
+// (tests/support/cuda_launch.hpp emulates it). The item tables it reads are the ResidentPackTables
 // copied into backend memory at plan time. Here the same function computes the shape, the same tables are built
-// and copied (into host memory), and every (block, item, thread) of the launch runs the real body, for the
+// and copied (into host memory), and every (block, warp, item, lane) of the launch runs the real body, for the
 // GPT-2-124M tensor list, 10,000 tensors of 1 KB, and odd sizes at misaligned user pointers; outputs are
 // poisoned first and every element is checked against a plain loop.
 #include <doctest/doctest.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../benchmarks/scaling/scaling_model.hpp"
+#include "support/cuda_launch.hpp"
 #include "tandem/backend/host.hpp"
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/dtype.hpp"
@@ -26,18 +27,7 @@ namespace {
 using tandem::BFloat16;
 using tandem::PackDirection;
 
-// One launch as the CUDA backend issues it, run lane by lane: grid blocks, each visiting its items (grid-stride),
-// each item done by all block_threads lanes.
-template <class Body>
-void emulate_cuda_launch(std::size_t items, const Body& body) {
-  const tandem::LaunchShape shape = tandem::launch_shape(items);  // what CudaBackend::launch computes
-  REQUIRE(shape.block == tandem::block_threads);
-  REQUIRE(shape.grid == std::min<std::size_t>(items, tandem::max_grid_blocks));
-  for (unsigned b = 0; b < shape.grid; ++b)
-    tandem::for_each_item_of_block(b, shape.grid, items, [&](std::size_t item) {
-      for (unsigned t = 0; t < shape.block; ++t) body(item, t, shape.block);
-    });
-}
+using test::emulate_cuda_launch;
 
 template <class T>
 bool same_bits(T a, T b) {

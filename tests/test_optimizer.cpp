@@ -3,9 +3,12 @@
 // over several steps, with fp32 and 16-bit parameters, run with one lane and with 256 lanes.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "tandem/core/dtype.hpp"
@@ -131,4 +134,133 @@ TEST_CASE("optimizer options are validated with the option's name") {
   CHECK_THROWS_WITH_AS(tandem::SGD::validate({.lr = 0.1f, .nesterov = tandem::Nesterov::on}),
                        doctest::Contains("nesterov"), tandem::error);
   CHECK_NOTHROW(tandem::SGD::validate({}));
+}
+
+// ---- the bodies' shape: every alignment, lane count and dtype gives the bits of a plain loop
+// ---------------------------
+
+namespace {
+
+/// The element updates written out as plain loops in the order of the rounding rule (each product rounded on its own;
+/// this file is built with -ffp-contract=off like every tandem target): what a body must give, bit for bit, whatever
+/// its vector groups, head and tail, lanes and array alignments.
+struct PlainAdamW {
+  tandem::AdamW::Scalars s;
+  void operator()(float g, float& w, float& m, float& v) const {
+    w = w * s.decay;
+    m = s.beta1 * m + (1.0f - s.beta1) * g;
+    v = s.beta2 * v + ((1.0f - s.beta2) * g) * g;
+    const float denom = std::sqrt(v) * s.inv_sqrt_bc2 + s.eps;
+    w = w - (s.step_size * m) / denom;
+  }
+};
+
+struct PlainSGD {
+  tandem::SGD::Scalars s;
+  void operator()(float g, float& w, float& b, float&) const {
+    g = g + s.weight_decay * w;
+    if (s.has_momentum) {
+      b = s.first_step ? g : s.momentum * b + (1.0f - s.dampening) * g;
+      g = s.nesterov ? g + s.momentum * b : b;
+    }
+    w = w - s.lr * g;
+  }
+};
+
+template <class T>
+std::uint64_t bits_of(T x) {
+  std::uint64_t b = 0;
+  std::memcpy(&b, &x, sizeof x);
+  return b;
+}
+
+/// Arrays at a chosen misalignment: `offset` elements past a 64-byte-aligned start.
+template <class T>
+struct Shifted {
+  std::vector<unsigned char> bytes;
+  T* p = nullptr;
+  Shifted(std::size_t n, std::size_t offset) : bytes((n + offset) * sizeof(T) + 64) {
+    auto at = reinterpret_cast<std::uintptr_t>(bytes.data());
+    at = (at + 63) / 64 * 64 + offset * sizeof(T);
+    p = reinterpret_cast<T*>(at);
+  }
+};
+
+/// One step of Opt's body over n elements with the given per-array offsets (master, grad, state 0, state 1, param) and
+/// lanes, against the plain loop. `shared` makes fp32 parameters their own master (param == master).
+template <class Opt, class P, class G>
+void check_against_plain(const typename Opt::Options& o, std::uint64_t t, std::size_t n,
+                         const std::array<std::size_t, 5>& offsets, unsigned lanes, bool shared, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  Shifted<float> master(n, offsets[0]), s0(n, offsets[2]), s1(n, offsets[3]);
+  Shifted<G> grad(n, offsets[1]);
+  Shifted<P> param(n, offsets[4]);
+  std::vector<float> w(n), m(n), v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    master.p[i] = w[i] = dist(rng);
+    grad.p[i] = G(dist(rng) * 0.1f);
+    s0.p[i] = m[i] = dist(rng) * 0.01f;
+    s1.p[i] = v[i] = std::abs(dist(rng)) * 1e-4f;
+    param.p[i] = P(std::nanf(""));  // poison: every element must be written
+  }
+  tandem::UpdateArgs<P, G> a;
+  a.master = master.p;
+  a.param = shared ? reinterpret_cast<P*>(master.p) : param.p;
+  a.grad = grad.p;
+  a.state[0] = s0.p;
+  a.state[1] = s1.p;
+  a.n = n;
+  a.grad_scale = 0.75f;
+  const typename Opt::Scalars scalars = Opt::scalars(o, t);
+  run_body(typename Opt::template Body<P, G>{a, scalars}, tandem::update_items(n), lanes);
+
+  using Plain = std::conditional_t<std::is_same_v<Opt, tandem::AdamW>, PlainAdamW, PlainSGD>;
+  const Plain plain{scalars};
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    plain(0.75f * static_cast<float>(grad.p[i]), w[i], m[i], v[i]);
+    const bool state1 = std::is_same_v<Opt, tandem::AdamW>;
+    const bool state0 = state1 || Opt::state_count(o) > 0;
+    if (bits_of(master.p[i]) != bits_of(w[i]) || (state0 && bits_of(s0.p[i]) != bits_of(m[i])) ||
+        (state1 && bits_of(s1.p[i]) != bits_of(v[i])) ||
+        (!shared && bits_of(param.p[i]) != bits_of(tandem::convert<P>(w[i]))))
+      ++wrong;
+  }
+  CHECK_MESSAGE(wrong == 0, Opt::name << " n " << n << " lanes " << lanes << " offsets " << offsets[0] << offsets[1]
+                                      << offsets[2] << offsets[3] << offsets[4] << (shared ? " shared" : ""));
+}
+
+template <class Opt, class P, class G>
+void check_shapes(const typename Opt::Options& o) {
+  std::mt19937 rng(17);
+  const std::size_t group = tandem::detail::update_group_elements<P, G>;
+  std::uniform_int_distribution<std::size_t> shift(0, group - 1);
+  for (std::size_t n :
+       {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4096}, std::size_t{4099}, std::size_t{9001}})
+    for (unsigned lanes : {1u, 3u, 32u, 256u}) {  // the host, odd, a CUDA warp (what a launch gives an item), a block
+      std::vector<std::array<std::size_t, 5>> layouts = {{0, 0, 0, 0, 0}, {1, 1, 1, 1, 1}, {3, 3, 3, 3, 3}};
+      for (int k = 0; k < 4; ++k) layouts.push_back({shift(rng), shift(rng), shift(rng), shift(rng), shift(rng)});
+      for (const auto& offsets : layouts) {
+        for (std::uint64_t t : {std::uint64_t{1}, std::uint64_t{3}})
+          check_against_plain<Opt, P, G>(o, t, n, offsets, lanes, false, rng);
+        if constexpr (std::is_same_v<P, float>) check_against_plain<Opt, P, G>(o, 2, n, offsets, lanes, true, rng);
+      }
+    }
+}
+
+template <class P, class G>
+void check_every_optimizer() {
+  check_shapes<tandem::AdamW, P, G>({.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f});
+  check_shapes<tandem::SGD, P, G>({.lr = 0.1f});
+  check_shapes<tandem::SGD, P, G>({.lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f, .weight_decay = 1e-2f});
+  check_shapes<tandem::SGD, P, G>(
+      {.lr = 0.05f, .momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on});
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("update bodies give the plain loop's bits at every alignment, lane count and dtype", P, float,
+                   tandem::BFloat16, tandem::Float16) {
+  SUBCASE("fp32 gradients") { check_every_optimizer<P, float>(); }
+  SUBCASE("bf16 gradients") { check_every_optimizer<P, tandem::BFloat16>(); }
 }

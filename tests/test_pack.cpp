@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "support/cuda_launch.hpp"
 #include "tandem/backend/host.hpp"
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/dtype.hpp"
@@ -26,18 +27,14 @@ using tandem::Float16;
 
 enum class Lanes { host, cuda_block };
 
-// Runs body over `items` as the host backend does, or as a CUDA grid of `grid` blocks of 256 lanes would.
+// Runs body over `items` as the host backend does, or as a CUDA grid of at most 7 blocks (grid-stride too) would.
 template <class Body>
 void run(std::size_t items, const Body& body, Lanes lanes) {
   if (lanes == Lanes::host) {
     tandem::HostBackend{}.launch(items, body);
     return;
   }
-  const tandem::LaunchShape shape = tandem::launch_shape(items, 7);  // few blocks: grid-stride too
-  for (unsigned b = 0; b < shape.grid; ++b)
-    tandem::for_each_item_of_block(b, shape.grid, items, [&](std::size_t item) {
-      for (unsigned t = 0; t < shape.block; ++t) body(item, t, shape.block);
-    });
+  test::emulate_cuda_launch(items, body, 7);
 }
 
 template <class T>
@@ -196,17 +193,37 @@ TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero i
   CHECK(std::memcmp(src.data(), dst.data(), bits.size() * 4) == 0);
 }
 
-TEST_CASE("the CUDA launch mapping visits every item exactly once") {
-  for (std::size_t items : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{65535}, std::size_t{65536},
-                            std::size_t{200001}}) {
+TEST_CASE("the CUDA launch mappings visit every item exactly once: a warp per item, and a block per reduced item") {
+  for (std::size_t items : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9},
+                            std::size_t{255}, std::size_t{65535}, std::size_t{65536}, std::size_t{200001}}) {
     for (unsigned max_blocks : {1u, 7u, 1024u, tandem::max_grid_blocks}) {
+      CAPTURE(items);
+      CAPTURE(max_blocks);
       const tandem::LaunchShape s = tandem::launch_shape(items, max_blocks);
       CHECK(s.block == tandem::block_threads);
       CHECK(s.grid <= max_blocks);
       CHECK((items == 0) == (s.grid == 0));
-      std::vector<int> hits(items, 0);
-      for (unsigned b = 0; b < s.grid; ++b)
-        tandem::for_each_item_of_block(b, s.grid, items, [&](std::size_t i) { ++hits[i]; });
+      // a block per items_per_block items, up to the cap
+      CHECK(s.grid ==
+            std::min<std::size_t>((items + tandem::items_per_block - 1) / tandem::items_per_block, max_blocks));
+      std::vector<int> hits(items, 0), lanes(items, 0);
+      const unsigned used = test::emulate_cuda_launch(
+          items,
+          [&](std::size_t i, unsigned lane, unsigned n) {
+            CHECK(n == tandem::item_lanes);
+            hits[i] += lane == 0;
+            ++lanes[i];
+          },
+          max_blocks);
+      CHECK(used == s.grid);
+      CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+      CHECK(std::all_of(lanes.begin(), lanes.end(), [](int l) { return l == int{tandem::item_lanes}; }));
+
+      const tandem::LaunchShape r = tandem::reduction_shape(items, max_blocks);
+      CHECK(r.grid == std::min<std::size_t>(items, max_blocks));
+      std::fill(hits.begin(), hits.end(), 0);
+      for (unsigned b = 0; b < r.grid; ++b)
+        tandem::for_each_item_of_block(b, r.grid, items, [&](std::size_t i) { ++hits[i]; });
       CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
     }
   }
@@ -226,4 +243,25 @@ TEST_CASE("the host backend's threaded launch visits every item exactly once") {
     }
   }
   CHECK_THROWS_AS(tandem::HostBackend({.threads = 0}), tandem::error);
+}
+
+TEST_CASE_TEMPLATE("16-bit vectors move as 16-byte words in memory order (the device's 128-bit loads and stores)", T,
+                   tandem::BFloat16, tandem::Float16) {
+  std::mt19937 rng(23);
+  std::uniform_int_distribution<unsigned> bits(0, 0xffff);
+  for (int trial = 0; trial < 100; ++trial) {
+    tandem::detail::Vec<T, 16> v;
+    for (auto& e : v.v) e.bits = static_cast<std::uint16_t>(bits(rng));
+    for (std::size_t c = 0; c < 2; ++c) {
+      const tandem::detail::Words16 words = tandem::detail::words_of(v, c);
+      unsigned memory[4];
+      std::memcpy(memory, reinterpret_cast<const unsigned char*>(&v) + 16 * c, 16);  // what a 16-byte load reads
+      for (std::size_t k = 0; k < 4; ++k) CHECK(words.w[k] == memory[k]);
+      tandem::detail::Vec<T, 16> back;
+      for (auto& e : back.v) e.bits = 0xdead;
+      tandem::detail::set_words(back, c, words);
+      for (std::size_t k = 0; k < 8; ++k) CHECK(back.v[8 * c + k].bits == v.v[8 * c + k].bits);
+      for (std::size_t k = 0; k < 8; ++k) CHECK(back.v[8 * (1 - c) + k].bits == 0xdead);  // the other word untouched
+    }
+  }
 }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper, for each parameter dtype
-// (fp32, bf16, fp16; parameters are never fp64) and, for the optimizers and the sum of squares, each gradient dtype,
-// so that nvcc proves the bodies are host+device clean (CI has nvcc but no GPU). The CUDA backend's real wrappers
-// have the same shape.
+// Compile-only: instantiates every kernel body inside a __global__ grid-stride wrapper (a warp per item; the sum of
+// squares a block per item), for each parameter dtype (fp32, bf16, fp16; parameters are never fp64) and, for the
+// optimizers and the sum of squares, each gradient dtype, so that nvcc proves the bodies are host+device clean (CI has
+// nvcc but no GPU). The CUDA backend's real wrappers have the same shape.
 //
 // The object is also where the rounding rule (kernels/detail/rounding.hpp) can be read in the machine code:
 // `cuobjdump -sass` shows no FFMA or DFMA in any body but AdamW's, and AdamW's all come from its one correctly
@@ -15,8 +15,9 @@ namespace {
 
 template <class Body>
 __global__ void run_body(Body body, std::size_t items) {
-  tandem::for_each_item_of_block(blockIdx.x, gridDim.x, items,
-                                 [&](std::size_t item) { body(item, threadIdx.x, blockDim.x); });
+  const unsigned lane = threadIdx.x % tandem::item_lanes;
+  tandem::for_each_item_of_warp(blockIdx.x, threadIdx.x / tandem::item_lanes, gridDim.x, items,
+                                [&](std::size_t item) { body(item, lane, tandem::item_lanes); });
 }
 
 template <class Body>

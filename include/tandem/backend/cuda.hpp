@@ -7,13 +7,14 @@
 //             calls it makes and restores the caller's (detail::CudaDeviceGuard; no cudaSetDevice where the device
 //             is current already). Buffers and events it made free themselves on that device the same way.
 //   memory    stream-ordered (cudaMallocAsync / cudaFreeAsync on the backend's stream, from the device's pool)
-//   launch    launch_shape(items) blocks of block_threads threads (backend/launch.hpp, the mapping host tests
-//             emulate); block b runs items b, b + grid, ... and its threads are the body's lanes. The
+//   launch    launch_shape(items, max_blocks()) blocks of block_threads threads, a warp per item (backend/launch.hpp,
+//             the mapping host tests emulate): the warp's threads are the body's lanes. max_blocks() is the device's
+//             resident blocks (SMs x 2048 / block_threads), so a launch is one wave and a larger one strides. The
 //             __global__ wrappers below only forward: every computation is in the host+device bodies.
-//   sum_to    deterministic, no atomics: one block per item reduces the lane partials with cub::BlockReduce
-//             into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run deterministic) adds the
-//             item sums into *out; everything on the stream, nothing read back. Allocation-free in the steady
-//             state: the item sums and CUB's temporary storage live in scratch the backend keeps
+//   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
+//             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
+//             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
+//             in the steady state: the item sums and CUB's temporary storage live in scratch the backend keeps
 //             (detail::CudaScratch): it grows (stream-ordered, on the backend's stream) only when a call needs more
 //             than any call before, is never trimmed, is reused in stream order whichever stream a call names, and
 //             is freed with the backend. So a training loop allocates for clipping in its first step only, and the
@@ -66,15 +67,18 @@ namespace tandem {
 
 namespace detail {
 
-/// The launch wrapper of every kernel body: forwards (block, thread) to body(item, lane, lanes).
+/// The launch wrapper of every kernel body: forwards (block, warp, thread) to body(item, lane, item_lanes), a warp per
+/// item. __launch_bounds__: every launch uses block_threads threads, which the compiler allocates registers for.
 template <class Body>
-TANDEM_KERNEL void run_items(Body body, std::size_t items) {
-  for_each_item_of_block(blockIdx.x, gridDim.x, items, [&](std::size_t item) { body(item, threadIdx.x, blockDim.x); });
+TANDEM_KERNEL void __launch_bounds__(block_threads) run_items(Body body, std::size_t items) {
+  const unsigned lane = threadIdx.x % item_lanes;
+  for_each_item_of_warp(blockIdx.x, threadIdx.x / item_lanes, gridDim.x, items,
+                        [&](std::size_t item) { body(item, lane, item_lanes); });
 }
 
 /// item_sums[item] = the sum over the block's lanes of body(item, lane, lanes), a fixed reduction tree.
 template <class Body>
-TANDEM_KERNEL void sum_items(Body body, std::size_t items, double* item_sums) {
+TANDEM_KERNEL void __launch_bounds__(block_threads) sum_items(Body body, std::size_t items, double* item_sums) {
   using Reduce = cub::BlockReduce<double, block_threads>;
   __shared__ typename Reduce::TempStorage temp;
   for_each_item_of_block(blockIdx.x, gridDim.x, items, [&](std::size_t item) {
@@ -207,6 +211,9 @@ class CudaBackend {
     cudaStream_t s = detail::native(stream_);
     if (device_ < 0) device_ = detail::current_device();
     const detail::CudaDeviceGuard guard(device_);
+    int sms = 0;
+    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    max_blocks_ = static_cast<unsigned>(std::clamp(sms, 1, 1024)) * (2048 / block_threads);
     if (s == nullptr) {
       TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       stream_.handle = s;
@@ -221,6 +228,7 @@ class CudaBackend {
   }
   CudaBackend(CudaBackend&& o) noexcept
       : device_(o.device_),
+        max_blocks_(o.max_blocks_),
         stream_(std::exchange(o.stream_, Stream{})),
         owns_stream_(std::exchange(o.owns_stream_, false)),
         timeout_(o.timeout_),
@@ -239,6 +247,8 @@ class CudaBackend {
 
   static constexpr const char* name() { return "cuda"; }
   int device() const { return device_; }
+  /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x 2048 / block_threads).
+  unsigned max_blocks() const { return max_blocks_; }
   /// tandem's work stream: packs, collectives, updates and unpacks are ordered on it.
   Stream stream() const { return stream_; }
   /// How long read() and synchronize() wait (CudaBackendOptions::timeout).
@@ -277,11 +287,11 @@ class CudaBackend {
     wait_for(event.get(), s, "read", bytes, WaitPoint::copy);  // pinned host memory: the copy is asynchronous
   }
 
-  /// Runs body(item, lane, lanes) for every item: launch_shape(items) blocks, their threads the lanes.
+  /// Runs body(item, lane, lanes) for every item: launch_shape(items, max_blocks()) blocks, a warp per item.
   template <class Body>
   void launch(std::size_t items, const Body& body, Stream stream = {}) const {
     const cudaStream_t s = detail::native(stream);
-    const LaunchShape shape = launch_shape(items);
+    const LaunchShape shape = launch_shape(items, max_blocks_);
     if (shape.grid == 0) return;
     const detail::CudaDeviceGuard guard(device_);
     detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
@@ -298,7 +308,7 @@ class CudaBackend {
       TANDEM_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), s));
       return;
     }
-    const LaunchShape shape = launch_shape(items);
+    const LaunchShape shape = reduction_shape(items, max_blocks_);
     const auto n = static_cast<std::int64_t>(items);
     std::size_t temp_bytes = 0;  // CUB's size query: host arithmetic only, no memory touched
     TANDEM_CUDA_CHECK(cub::DeviceReduce::Sum(nullptr, temp_bytes, static_cast<double*>(nullptr), out, n, s));
@@ -370,6 +380,7 @@ class CudaBackend {
   }
 
   int device_ = -1;
+  unsigned max_blocks_ = max_grid_blocks;
   Stream stream_;
   bool owns_stream_ = false;
   std::chrono::milliseconds timeout_;

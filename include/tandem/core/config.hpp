@@ -25,6 +25,16 @@
 #define TANDEM_COLD
 #endif
 
+// A pointer through which alone its object is reached in the pointer's scope (C's restrict): kernel bodies qualify the
+// arrays they walk, so loads and stores of different arrays need not be ordered.
+#if defined(__CUDACC__) || defined(__GNUC__) || defined(__clang__)
+#define TANDEM_RESTRICT __restrict__
+#elif defined(_MSC_VER)
+#define TANDEM_RESTRICT __restrict
+#else
+#define TANDEM_RESTRICT
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define TANDEM_IN_DEVICE_CODE 1
 #else

@@ -81,18 +81,18 @@ struct AdamW {
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      const Scalars c = s;  // a local copy: no store to the arrays can change it, so it stays in registers
+      detail::update_item<2>(a, item, lane, lanes,
+                             [c](float g, float& w, float(&mv)[2]) { element(c, g, w, mv[0], mv[1]); });
+    }
+
+    /// One element, in registers: g the scaled gradient, w the master weight, m and v the moments.
+    TANDEM_HD static void element(const Scalars& s, float g, float& w, float& m, float& v) {
       using detail::div_rn, detail::mul_rn, detail::sqrt_rn;
-      detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
-        const float g = mul_rn(a.grad_scale, static_cast<float>(a.grad[i]));
-        float& m = a.state[0][i];
-        float& v = a.state[1][i];
-        float w = mul_rn(a.master[i], s.decay);
-        m = mul_rn(s.beta1, m) + mul_rn(1.0f - s.beta1, g);
-        v = mul_rn(s.beta2, v) + mul_rn(mul_rn(1.0f - s.beta2, g), g);
-        w = w - div_rn(mul_rn(s.step_size, m), mul_rn(sqrt_rn(v), s.inv_sqrt_bc2) + s.eps);
-        a.master[i] = w;
-        a.param[i] = convert<P>(w);
-      });
+      w = mul_rn(w, s.decay);
+      m = mul_rn(s.beta1, m) + mul_rn(1.0f - s.beta1, g);
+      v = mul_rn(s.beta2, v) + mul_rn(mul_rn(1.0f - s.beta2, g), g);
+      w = w - div_rn(mul_rn(s.step_size, m), mul_rn(sqrt_rn(v), s.inv_sqrt_bc2) + s.eps);
     }
   };
 };

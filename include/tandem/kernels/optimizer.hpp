@@ -15,15 +15,18 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/hash.hpp"
+#include "tandem/kernels/detail/rounding.hpp"
+#include "tandem/kernels/vector.hpp"
 
 namespace tandem {
 
 /// Elements per optimizer work item.
-inline constexpr std::size_t update_chunk_elements = 4096;
+inline constexpr std::size_t update_chunk_elements = 1024;
 
 /// Whether SGD uses Nesterov momentum.
 enum class Nesterov { off, on };
@@ -57,16 +60,107 @@ inline std::uint64_t fingerprint_values(std::initializer_list<float> values) {
   return h;
 }
 
-/// Calls f(i) for the elements of `item` that lane `lane` of `lanes` owns (coalesced on CUDA).
-template <class F>
-TANDEM_HD inline void for_each_update_element(std::size_t item, unsigned lane, unsigned lanes, std::size_t n, F&& f) {
+/// Elements per group of an update: one 16-byte vector of its narrowest array (4 with fp32 parameters and gradients,
+/// 8 where either is 16-bit; the fp32 arrays then move two 16-byte vectors per group).
+template <class P, class G>
+inline constexpr std::size_t update_group_elements = 16 / (sizeof(P) < 4 || sizeof(G) < 4 ? 2 : 4);
+
+/// Runs the element update `f(g, w, s)` over the elements of work item `item` that lane `lane` of `lanes` owns: g is
+/// grad_scale * grad[i], w the master weight and s[k] state k's value, all in registers; f updates w and s[0 ..
+/// States). Then w goes to master[i] and, cast, to param[i] (not written separately for fp32 parameters whose param is
+/// the master), and s[k] to state[k][i].
+///
+/// Shape: the chunk [item * update_chunk_elements, +update_chunk_elements) is cut like a cast segment
+/// (kernels/vector.hpp): a scalar head up to the first element at which every array is 16-byte aligned, groups of
+/// W = update_group_elements<P, G> elements, a scalar tail (all scalar when the arrays are misaligned by different
+/// amounts). A group loads W elements of every array into registers with 16-byte loads, updates them (W independent
+/// elements in flight: no element waits for another's stores, which the arrays could alias without __restrict__), and
+/// stores them with 16-byte stores. Lane `lane` takes groups lane, lane + lanes, ... (coalesced on CUDA) and the scalar
+/// elements congruent to it; the host runs one lane in unit stride, which the compiler vectorizes across groups.
+template <std::size_t States, class P, class G, class F>
+TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, unsigned lane, unsigned lanes, F&& f) {
+  static_assert(States <= 2, "an update keeps at most two state arrays");
+  constexpr std::size_t W = update_group_elements<P, G>;
+  constexpr std::size_t S = States > 0 ? States : 1;  // arrays of zero length are not C++
   const std::size_t begin = item * update_chunk_elements;
-  const std::size_t end = begin + update_chunk_elements < n ? begin + update_chunk_elements : n;
-  if (lanes == 1) {  // the host: a unit-stride loop the compiler can vectorize
-    for (std::size_t i = begin; i < end; ++i) f(i);
-  } else {
-    for (std::size_t i = begin + lane; i < end; i += lanes) f(i);
+  const std::size_t n = a.n - begin < update_chunk_elements ? a.n - begin : update_chunk_elements;
+  // Distinct arrays (a DataParallel's and every caller's): the restrict qualifiers let the compiler keep all of an
+  // element's values in registers. param is only touched where it is not the master.
+  const bool own_param = !std::is_same_v<P, float> || static_cast<const void*>(a.param) != a.master;
+  float* TANDEM_RESTRICT master = a.master + begin;
+  P* TANDEM_RESTRICT param = a.param + begin;
+  const G* TANDEM_RESTRICT grad = a.grad + begin;
+  float* TANDEM_RESTRICT state0 = States > 0 ? a.state[0] + begin : nullptr;
+  float* TANDEM_RESTRICT state1 = States > 1 ? a.state[1] + begin : nullptr;
+  const float scale = a.grad_scale;
+
+  // one element; own is std::true_type where param is written apart from the master
+  auto one = [&](std::size_t i, auto own) {
+    float s[S] = {};
+    if constexpr (States > 0) s[0] = state0[i];
+    if constexpr (States > 1) s[1] = state1[i];
+    float w = master[i];
+    f(mul_rn(scale, static_cast<float>(grad[i])), w, s);
+    master[i] = w;
+    if constexpr (decltype(own)::value) param[i] = convert<P>(w);
+    if constexpr (States > 0) state0[i] = s[0];
+    if constexpr (States > 1) state1[i] = s[1];
+  };
+  auto scalar = [&](std::size_t i) {
+    if (own_param)
+      one(i, std::true_type{});
+    else
+      one(i, std::false_type{});
+  };
+#if !TANDEM_IN_DEVICE_CODE
+  if (lanes == 1) {  // the host: one unit-stride loop over the restrict-qualified arrays, which the compiler vectorizes
+    if (own_param)
+      for (std::size_t i = 0; i < n; ++i) one(i, std::true_type{});
+    else
+      for (std::size_t i = 0; i < n; ++i) one(i, std::false_type{});
+    return;
   }
+#endif
+  auto group = [&](std::size_t at) {
+    const Vec<G, W> gv = load_vec<G, W>(grad + at);
+    Vec<float, W> w = load_vec<float, W>(master + at);
+    Vec<float, W> s0, s1;
+    if constexpr (States > 0) s0 = load_vec<float, W>(state0 + at);
+    if constexpr (States > 1) s1 = load_vec<float, W>(state1 + at);
+    Vec<P, W> p;
+    TANDEM_UNROLL
+    for (std::size_t k = 0; k < W; ++k) {
+      float s[S] = {};
+      if constexpr (States > 0) s[0] = s0.v[k];
+      if constexpr (States > 1) s[1] = s1.v[k];
+      f(mul_rn(scale, static_cast<float>(gv.v[k])), w.v[k], s);
+      if constexpr (States > 0) s0.v[k] = s[0];
+      if constexpr (States > 1) s1.v[k] = s[1];
+      p.v[k] = convert<P>(w.v[k]);
+    }
+    store_vec<float, W>(master + at, w);
+    if (own_param) store_vec<P, W>(param + at, p);
+    if constexpr (States > 0) store_vec<float, W>(state0 + at, s0);
+    if constexpr (States > 1) store_vec<float, W>(state1 + at, s1);
+  };
+
+  // head: the first element at which every array the update touches is 16-byte aligned
+  std::size_t head = n;
+  for (std::size_t h = 0; h < W && h < n; ++h) {
+    std::uintptr_t mis = misalignment16(master + h) | misalignment16(grad + h);
+    if (own_param) mis |= misalignment16(param + h);
+    if constexpr (States > 0) mis |= misalignment16(state0 + h);
+    if constexpr (States > 1) mis |= misalignment16(state1 + h);
+    if (mis == 0) {
+      head = h;
+      break;
+    }
+  }
+  const std::size_t groups = (n - head) / W;
+  const std::size_t tail = head + groups * W;
+  for (std::size_t i = lane; i < head; i += lanes) scalar(i);
+  for (std::size_t g = lane; g < groups; g += lanes) group(head + g * W);
+  for (std::size_t i = tail + lane; i < n; i += lanes) scalar(i);
 }
 
 }  // namespace detail

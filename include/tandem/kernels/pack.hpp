@@ -29,7 +29,7 @@
 namespace tandem {
 
 /// Elements per pack work item: 16 KiB of fp32, a multiple of every vector group.
-inline constexpr std::size_t pack_chunk_elements = 4096;
+inline constexpr std::size_t pack_chunk_elements = 1024;
 
 enum class PackDirection { to_bucket, from_bucket };
 

@@ -78,19 +78,24 @@ struct SGD {
     Scalars s;
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+      // the state count is the same for every item: one branch per item, none per element
+      const Scalars c = s;  // a local copy: no store to the arrays can change it, so it stays in registers
+      auto f = [c](float g, float& w, float(&b)[1]) { element(c, g, w, b); };
+      if (c.has_momentum)
+        detail::update_item<1>(a, item, lane, lanes, f);
+      else
+        detail::update_item<0>(a, item, lane, lanes, f);
+    }
+
+    /// One element, in registers: g the scaled gradient, w the weight, b[0] the momentum buffer (with momentum).
+    TANDEM_HD static void element(const Scalars& s, float g, float& w, float (&b)[1]) {
       using detail::mul_rn;
-      detail::for_each_update_element(item, lane, lanes, a.n, [&](std::size_t i) {
-        float w = a.master[i];
-        float g = mul_rn(a.grad_scale, static_cast<float>(a.grad[i])) + mul_rn(s.weight_decay, w);
-        if (s.has_momentum) {
-          float& b = a.state[0][i];
-          b = s.first_step ? g : mul_rn(s.momentum, b) + mul_rn(1.0f - s.dampening, g);
-          g = s.nesterov ? g + mul_rn(s.momentum, b) : b;
-        }
-        w = w - mul_rn(s.lr, g);
-        a.master[i] = w;
-        a.param[i] = convert<P>(w);
-      });
+      g = g + mul_rn(s.weight_decay, w);
+      if (s.has_momentum) {
+        b[0] = s.first_step ? g : mul_rn(s.momentum, b[0]) + mul_rn(1.0f - s.dampening, g);
+        g = s.nesterov ? g + mul_rn(s.momentum, b[0]) : b[0];
+      }
+      w = w - mul_rn(s.lr, g);
     }
   };
 };

@@ -4,8 +4,9 @@
 // Shape: the segment [0, n) is cut into a scalar head (elements before src and dst are both 16-byte
 // aligned), whole groups of G = 16 / min(sizeof(Src), sizeof(Dst)) elements moved as 16-byte vectors, and a
 // scalar tail. When src and dst are misaligned by different amounts no vector path exists and every element
-// goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... and the scalar
-// elements whose index is congruent to `lane`; the CUDA block's threads are the lanes, the host runs one lane.
+// goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... (four at a time: their
+// loads are in flight together) and the scalar elements whose index is congruent to `lane`; on CUDA a warp's threads
+// are the lanes, the host runs one lane.
 // The product scale * src[i] is rounded before it is added (kernels/detail/rounding.hpp), so an accumulating copy
 // gives the same bits on the host and on the device.
 #pragma once
@@ -40,10 +41,49 @@ struct alignas(16) Vec {
   T v[N];
 };
 
+/// 16 bytes as four 32-bit words, in memory order.
+struct Words16 {
+  unsigned w[4];
+};
+
+/// The c-th 16 bytes of a vector of a 16-bit storage type (BFloat16, Float16) as words: element 8c + 2k in the low
+/// half of word k, the high half holding element 8c + 2k + 1 (little-endian, as memory holds them on host and device).
+template <class T, std::size_t N>
+TANDEM_HD inline Words16 words_of(const Vec<T, N>& v, std::size_t c) {
+  static_assert(sizeof(T) == 2 && N % 8 == 0, "16-bit storage types fill a 16-byte word with 8 elements");
+  Words16 r;
+  TANDEM_UNROLL
+  for (std::size_t k = 0; k < 4; ++k)
+    r.w[k] = unsigned{v.v[8 * c + 2 * k].bits} | (unsigned{v.v[8 * c + 2 * k + 1].bits} << 16);
+  return r;
+}
+
+/// The inverse of words_of: elements 8c .. 8c + 7 of v from the words.
+template <class T, std::size_t N>
+TANDEM_HD inline void set_words(Vec<T, N>& v, std::size_t c, const Words16& words) {
+  static_assert(sizeof(T) == 2 && N % 8 == 0, "16-bit storage types fill a 16-byte word with 8 elements");
+  TANDEM_UNROLL
+  for (std::size_t k = 0; k < 8; ++k)
+    v.v[8 * c + k].bits = static_cast<std::uint16_t>(words.w[k / 2] >> (16 * (k % 2)));
+}
+
+// On the device a vector of 16-bit storage types moves as 16-byte words (uint4) assembled from the elements' bits:
+// one 128-bit load or store per 8 elements (a Vec of class types would otherwise move element by element). Vectors of
+// arithmetic types move as themselves, which nvcc already makes 128-bit accesses.
 template <class T, std::size_t N>
 TANDEM_HD inline Vec<T, N> load_vec(const T* p) {
 #if TANDEM_IN_DEVICE_CODE
-  return *reinterpret_cast<const Vec<T, N>*>(p);
+  if constexpr (std::is_arithmetic_v<T>) {
+    return *reinterpret_cast<const Vec<T, N>*>(p);
+  } else {
+    Vec<T, N> r;
+    TANDEM_UNROLL
+    for (std::size_t c = 0; c < N / 8; ++c) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[c];
+      set_words(r, c, Words16{{u.x, u.y, u.z, u.w}});
+    }
+    return r;
+  }
 #else
   Vec<T, N> r;
   std::memcpy(&r, p, sizeof r);
@@ -54,7 +94,16 @@ TANDEM_HD inline Vec<T, N> load_vec(const T* p) {
 template <class T, std::size_t N>
 TANDEM_HD inline void store_vec(T* p, const Vec<T, N>& v) {
 #if TANDEM_IN_DEVICE_CODE
-  *reinterpret_cast<Vec<T, N>*>(p) = v;
+  if constexpr (std::is_arithmetic_v<T>) {
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+  } else {
+    TANDEM_UNROLL
+    for (std::size_t c = 0; c < N / 8; ++c) {
+      const Words16 x = words_of(v, c);
+      // __stwb: an ordinary (write-back) store, which nvcc keeps one 128-bit store; a plain uint4 assignment it splits
+      __stwb(reinterpret_cast<uint4*>(p) + c, make_uint4(x.w[0], x.w[1], x.w[2], x.w[3]));
+    }
+  }
 #else
   std::memcpy(p, &v, sizeof v);
 #endif
@@ -146,8 +195,16 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     for (; g < groups; ++g) stream_vec<Dst, G>(dst + head + g * G, group(g));
   } else if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
     for (std::size_t g = 0; g < groups; ++g) store_vec<Dst, G>(dst + head + g * G, group(g));
-  } else {
-    for (std::size_t g = lane; g < groups; g += lanes) store_vec<Dst, G>(dst + head + g * G, group(g));
+  } else {  // the device: four groups' loads in flight per lane, then their stores
+    std::size_t g = lane;
+    for (; g + 3 * lanes < groups; g += 4 * lanes) {
+      const Vec<Dst, G> d0 = group(g), d1 = group(g + lanes), d2 = group(g + 2 * lanes), d3 = group(g + 3 * lanes);
+      store_vec<Dst, G>(dst + head + g * G, d0);
+      store_vec<Dst, G>(dst + head + (g + lanes) * G, d1);
+      store_vec<Dst, G>(dst + head + (g + 2 * lanes) * G, d2);
+      store_vec<Dst, G>(dst + head + (g + 3 * lanes) * G, d3);
+    }
+    for (; g < groups; g += lanes) store_vec<Dst, G>(dst + head + g * G, group(g));
   }
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
 }
@@ -167,7 +224,7 @@ inline void stream_copy(const T* src, T* dst, std::size_t n) {
 }  // namespace detail
 
 /// Elements per work item of a flat cast-copy.
-inline constexpr std::size_t cast_chunk_elements = 4096;
+inline constexpr std::size_t cast_chunk_elements = 1024;
 
 constexpr std::size_t cast_items(std::size_t n) { return (n + cast_chunk_elements - 1) / cast_chunk_elements; }
 

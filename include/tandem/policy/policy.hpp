@@ -27,7 +27,7 @@ enum class Storage {
 /// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers and
 /// `buckets` is everything else tandem allocates besides master weights and optimizer state (its flat copies and the
 /// shard accumulator too); with Storage::owned, `params` and `grads` are tandem's storage that lives across the step,
-/// and `buckets` is its transient storage. Not counted: the pack tables (a few bytes per 4096 elements), the scratch
+/// and `buckets` is its transient storage. Not counted: the pack tables (64 bytes per 1024 elements), the scratch
 /// of the gradient norm (a few words per bucket, from the first clipped step), and the backend's and communicator's
 /// own workspaces.
 struct MemoryReport {
