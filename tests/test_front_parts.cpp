@@ -7,14 +7,20 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "support/comm.hpp"
 #include "tandem/backend/host.hpp"
+#include "tandem/backend/host_stream.hpp"
 #include "tandem/comm/local_group.hpp"
 #include "tandem/front/data_parallel.hpp"
 #include "tandem/front/detail/agreement.hpp"
@@ -245,6 +251,28 @@ TEST_CASE("BucketKernels packs and unpacks the user's tensors of its parameter d
       }
     }
   }
+}
+
+TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {
+  tandem::LocalGroup(1).run([](tandem::LocalComm& comm) {
+    test::CountingComm failing{comm, test::Collective::all_gather, 0};  // its first all-gather throws
+    const tandem::StreamHostBackend backend;
+    std::atomic<bool> reached{false};
+    // Work ahead of the copy on the backend's stream: the copy runs after it, so only a wait for the copy sees it done.
+    backend.launch(
+        1,
+        [&](std::size_t, unsigned, unsigned) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          reached = true;
+        },
+        backend.stream());
+    auto mine = std::make_unique<std::vector<std::uint64_t>>(std::vector<std::uint64_t>{1, 2, 3});
+    CHECK_THROWS_WITH_AS(tandem::detail::all_gather_words(failing, backend, *mine), "injected collective failure",
+                         tandem::error);
+    CHECK(reached.load());  // else the copy of *mine would still be queued, and read it after this frees it
+    mine.reset();
+    backend.synchronize(backend.stream());
+  });
 }
 
 TEST_CASE("the configuration words tell every difference between ranks apart") {

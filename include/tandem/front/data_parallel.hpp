@@ -342,7 +342,7 @@ class DataParallel {
   TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     if (values.empty()) return;
     Buffer<double> staging = detail::allocate_named<double>(backend_, values.size(), "all_reduce_host's staging");
-    backend_.copy(staging.data(), values.data(), values.size_bytes(), work_stream());
+    detail::stage_host(backend_, staging.data(), values.data(), values.size_bytes());  // on work_stream()
     comm_.all_reduce(staging.data(), staging.data(), values.size(), DType::fp64, op, work_stream());
     backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
   }

@@ -25,6 +25,15 @@
 
 namespace tandem::detail {
 
+/// Copies `bytes` of host memory to backend memory `to` on the backend's stream, and waits for the copy: it reads the
+/// host memory when the stream gets to it, so without the wait a collective that then throws (a peer gone, a timeout)
+/// would leave it queued behind host memory the unwinding frees.
+template <class Backend>
+TANDEM_COLD void stage_host(const Backend& backend, void* to, const void* from, std::size_t bytes) {
+  backend.copy(to, from, bytes, backend.stream());
+  backend.synchronize(backend.stream());
+}
+
 /// Every rank's words (this rank passes `mine`; every rank must pass as many): rank r's at [r * n, (r + 1) * n) of
 /// the result. Collective.
 template <Communicator Comm, class Backend>
@@ -32,7 +41,7 @@ TANDEM_COLD std::vector<std::uint64_t> all_gather_words(Comm& comm, Backend& bac
                                                         const std::vector<std::uint64_t>& mine) {
   const std::size_t words = mine.size(), ranks = static_cast<std::size_t>(comm.size());
   auto staging = allocate_named<std::uint64_t>(backend, words * (ranks + 1), "the agreement's words");
-  backend.copy(staging.data(), mine.data(), words * sizeof(std::uint64_t), backend.stream());
+  stage_host(backend, staging.data(), mine.data(), words * sizeof(std::uint64_t));
   comm.all_gather(staging.data(), staging.data() + words, words, DType::fp64, backend.stream());
   std::vector<std::uint64_t> all(words * ranks);
   backend.read(all.data(), staging.data() + words, all.size() * sizeof(std::uint64_t), backend.stream());
