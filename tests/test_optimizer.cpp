@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // AdamW and SGD bodies against double-precision references written from the papers/PyTorch's formulas,
-// over several steps, with fp32 and 16-bit parameters, run with one lane and with 256 lanes.
+// over several steps, with fp32 and 16-bit parameters, run with one lane and with 256 lanes; and against their element
+// maths as plain loops, bit for bit, at every array alignment, lane count and dtype (the shape of detail::update_item).
 #include <doctest/doctest.h>
 
 #include <array>
@@ -136,8 +137,7 @@ TEST_CASE("optimizer options are validated with the option's name") {
   CHECK_NOTHROW(tandem::SGD::validate({}));
 }
 
-// ---- the bodies' shape: every alignment, lane count and dtype gives the bits of a plain loop
-// ---------------------------
+// ---- the bodies' shape: every alignment, lane count and dtype gives the bits of a plain loop ----------------------
 
 namespace {
 
