@@ -5,8 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -358,3 +360,72 @@ TEST_CASE("a DataParallel moved out of a factory and into a vector trains like o
   };
   CHECK(bitwise_equal(train(true), train(false)));
 }
+
+#if !defined(TANDEM_TEST_STREAMS)  // one run is enough: the case builds its own stream-faithful backend
+namespace {
+
+/// What makes the host wait for tandem's work stream (read, synchronize), and the allocations, counted; the counts
+/// outlive the backend's move into DataParallel.
+struct HostWaits {
+  std::atomic<int> reads{0}, synchronizes{0}, allocations{0};
+};
+struct WaitCountingBackend : tandem::StreamHostBackend {
+  std::shared_ptr<HostWaits> waits = std::make_shared<HostWaits>();
+  template <class T>
+  Buffer<T> allocate(std::size_t n) const {
+    ++waits->allocations;
+    return tandem::StreamHostBackend::allocate<T>(n);
+  }
+  void read(void* host, const void* src, std::size_t bytes, tandem::Stream s = {}) const {
+    ++waits->reads;
+    tandem::StreamHostBackend::read(host, src, bytes, s);
+  }
+  void synchronize(tandem::Stream s = {}) const {
+    ++waits->synchronizes;
+    tandem::StreamHostBackend::synchronize(s);
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "step() makes the host wait only to read the step's scalars, once per optimizer step, and allocates "
+    "nothing",
+    Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // Copy mode (the user's buffers), so every policy but ParameterSharded. The user's stream is a stream of its own, as
+  // a CUDA stream is: the host never waits on it.
+  for (const int world : {1, 2})
+    for (const bool clip : {false, true}) {
+      CAPTURE(world);
+      CAPTURE(clip);
+      tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+        tandem::HostStream user;
+        std::vector<float> w(5000), g(5000);
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          w[i] = 0.01f * static_cast<float>(i % 97);
+          g[i] = 0.001f * static_cast<float>(i % 13) - 0.005f;  // written once: nothing races the packs
+        }
+        WaitCountingBackend backend;
+        const std::shared_ptr<HostWaits> waits = backend.waits;
+        tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(comm, {{"w", w.data(), g.data(), w.size()}},
+                                                                            {},
+                                                                            {.bucket_cap_bytes = 8192,
+                                                                             .accumulation_steps = 2,
+                                                                             .max_grad_norm = clip ? 1.0f : 0.0f,
+                                                                             .stream = user.stream()},
+                                                                            std::move(backend));
+        dp.broadcast_parameters();
+        dp.step();
+        dp.step();  // one optimizer step first: whatever a first step sets up is set up
+        const int reads = waits->reads, synchronizes = waits->synchronizes, allocations = waits->allocations;
+        for (int k = 0; k < 6; ++k) dp.step();  // 3 optimizer steps
+        // The scalar all-reduce's result (docs/cuda.md): read when the norm is needed or the ranks' options are
+        // checked.
+        CHECK(waits->reads - reads == (clip || world > 1 ? 3 : 0));
+        CHECK(waits->synchronizes == synchronizes);
+        CHECK(waits->allocations == allocations);
+        user.synchronize();
+      });
+    }
+}
+#endif
