@@ -25,7 +25,7 @@ namespace {
 using tandem::BFloat16;
 using tandem::Float16;
 
-enum class Lanes { host, cuda_block };
+enum class Lanes { host, cuda_launch };
 
 // Runs body over `items` as the host backend does, or as a CUDA grid of at most 7 blocks (grid-stride too) would.
 template <class Body>
@@ -171,7 +171,7 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA-block lanes", Pair, std::pair<float, float>,
+TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA-warp lanes", Pair, std::pair<float, float>,
                    std::pair<BFloat16, float>, std::pair<Float16, float>, std::pair<float, BFloat16>,
                    std::pair<BFloat16, BFloat16>, std::pair<Float16, Float16>) {
   using UserT = typename Pair::first_type;
@@ -179,7 +179,7 @@ TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA-block lanes", Pa
   std::mt19937 rng(77);
   for (int trial = 0; trial < 60; ++trial) {
     CAPTURE(trial);
-    const Lanes lanes = trial % 2 ? Lanes::cuda_block : Lanes::host;
+    const Lanes lanes = trial % 2 ? Lanes::cuda_launch : Lanes::host;
     check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::assign);
     check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::accumulate);
   }

@@ -9,8 +9,8 @@
 //   memory    stream-ordered (cudaMallocAsync / cudaFreeAsync on the backend's stream, from the device's pool)
 //   launch    launch_shape(items, max_blocks()) blocks of block_threads threads, a warp per item (backend/launch.hpp,
 //             the mapping host tests emulate): the warp's threads are the body's lanes. max_blocks() is the device's
-//             resident blocks (SMs x 2048 / block_threads), so a launch is one wave and a larger one strides. The
-//             __global__ wrappers below only forward: every computation is in the host+device bodies.
+//             resident blocks (SMs x resident_threads_per_sm / block_threads), so a launch is one wave and a larger one
+//             strides. The __global__ wrappers below only forward: every computation is in the host+device bodies.
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
 //             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
@@ -213,7 +213,7 @@ class CudaBackend {
     const detail::CudaDeviceGuard guard(device_);
     int sms = 0;
     TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    max_blocks_ = static_cast<unsigned>(std::clamp(sms, 1, 1024)) * (2048 / block_threads);
+    max_blocks_ = static_cast<unsigned>(std::clamp(sms, 1, 1024)) * (resident_threads_per_sm / block_threads);
     if (s == nullptr) {
       TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       stream_.handle = s;
@@ -247,7 +247,8 @@ class CudaBackend {
 
   static constexpr const char* name() { return "cuda"; }
   int device() const { return device_; }
-  /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x 2048 / block_threads).
+  /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
+  /// / block_threads).
   unsigned max_blocks() const { return max_blocks_; }
   /// tandem's work stream: packs, collectives, updates and unpacks are ordered on it.
   Stream stream() const { return stream_; }

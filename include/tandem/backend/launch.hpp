@@ -30,6 +30,9 @@ inline constexpr unsigned block_threads = 256;
 inline constexpr unsigned item_lanes = 32;
 /// Items one block of a launch works on at once.
 inline constexpr unsigned items_per_block = block_threads / item_lanes;
+/// Threads a CUDA multiprocessor keeps resident at once (sm_80 and sm_90): a launch of more blocks than the device's
+/// SMs x resident_threads_per_sm / block_threads runs in more than one wave.
+inline constexpr unsigned resident_threads_per_sm = 2048;
 /// The most blocks one launch uses where the device is not known; further items are reached by the grid-stride loop.
 inline constexpr unsigned max_grid_blocks = 65535;
 
