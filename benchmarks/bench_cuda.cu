@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// GPU benchmarks: pack and unpack of whole layouts (one launch per bucket, tables resident in device memory) and
-// the AdamW shard update, each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the
-// time of a device-to-device cudaMemcpyAsync moving the same traffic, measured in the same run, over the kernel's
-// time (1.0 = as fast as a copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issue #3):
-// pack/unpack x_copy >= 0.9 on GPT-2, AdamW x_copy >= 0.85. Without a GPU it prints a line and exits 0.
+// GPU benchmarks: pack and unpack of whole layouts (one launch per bucket, tables resident in device memory), the
+// AdamW shard update, and a whole step() of the GPT-2-124M layout at one rank, eager and replayed from a CUDA graph;
+// each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the time of a device-to-device
+// cudaMemcpyAsync moving the same traffic, measured in the same run, over the measured time (1.0 = as fast as a
+// copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issues #3, #16): pack/unpack x_copy >= 0.9
+// on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Without a GPU it prints a line and
+// exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -18,6 +20,11 @@
 #include "tandem/core/plan.hpp"
 #include "tandem/kernels/adamw.hpp"
 #include "tandem/kernels/pack.hpp"
+#if TANDEM_BENCH_STEP  // where NCCL is found
+#include "tandem/comm/nccl.hpp"
+#include "tandem/front/data_parallel.hpp"
+#include "tandem/policy/replicated.hpp"
+#endif
 
 namespace {
 
@@ -147,9 +154,23 @@ void BM_adamw(benchmark::State& state) {
   a.n = n;
   const tandem::CudaBackend& cuda = backend();
   const cudaStream_t stream = tandem::detail::native(cuda.stream());
-  std::uint64_t t = 0;
+  // the step's scalars as a DataParallel makes them: PrepareStepBody on the stream before each update
+  DeviceBytes step(sizeof(std::uint64_t)), scale(sizeof(float)), options(sizeof(tandem::AdamWOptions)),
+      scalars(sizeof(tandem::AdamW::Scalars));
+  const tandem::AdamWOptions defaults;
+  TANDEM_CUDA_CHECK(cudaMemset(step.p, 0, sizeof(std::uint64_t)));
+  TANDEM_CUDA_CHECK(cudaMemcpy(options.p, &defaults, sizeof defaults, cudaMemcpyHostToDevice));
+  a.grad_scale = static_cast<const float*>(scale.p);
+  const tandem::detail::PrepareStepBody<tandem::AdamW> prepare{
+      .step = static_cast<std::uint64_t*>(step.p),
+      .grad_scale = static_cast<float*>(scale.p),
+      .options = static_cast<const tandem::AdamWOptions*>(options.p),
+      .scalars = static_cast<tandem::AdamW::Scalars*>(scalars.p),
+      .groups = 1};
   auto update = [&] {
-    cuda.launch(tandem::update_items(n), tandem::AdamW::Body<P>{a, tandem::AdamW::scalars({}, ++t)}, cuda.stream());
+    cuda.launch(1, prepare, cuda.stream());
+    cuda.launch(tandem::update_items(n),
+                tandem::AdamW::Body<P>{a, static_cast<const tandem::AdamW::Scalars*>(scalars.p)}, cuda.stream());
   };
   update();
   double total = 0;
@@ -163,6 +184,74 @@ void BM_adamw(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
   state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
 }
+
+#if TANDEM_BENCH_STEP
+/// step() of a layout at one rank (Replicated, AdamW, fp32 parameters in the user's buffers, no clipping), eager or
+/// replayed from a CUDA graph it was captured into after a first eager step (docs/cuda.md, "Capturing a step"). Its
+/// floor is its memory traffic: the pack reads the gradients and writes the bucket, AdamW reads gradient, weight, m
+/// and v and writes weight, m and v, the unpack reads the bucket and writes the parameters (44 bytes per element).
+void BM_step(benchmark::State& state, const std::string& layout, bool graph) {
+  const std::vector<std::size_t> sizes = bench::layout(layout);
+  std::size_t at = 0;
+  std::vector<std::size_t> offsets;
+  for (std::size_t n : sizes) {  // each tensor 16-byte aligned, as separate allocations are
+    offsets.push_back(at);
+    at += (n + 15) / 16 * 16;
+  }
+  DeviceBytes params(at * sizeof(float)), grads(at * sizeof(float));
+  TANDEM_CUDA_CHECK(cudaMemset(params.p, 0, at * sizeof(float)));
+  TANDEM_CUDA_CHECK(cudaMemset(grads.p, 0, at * sizeof(float)));
+  std::vector<tandem::TensorRef> refs;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    refs.push_back({"t" + std::to_string(i), static_cast<float*>(params.p) + offsets[i],
+                    static_cast<float*>(grads.p) + offsets[i], sizes[i], tandem::DType::fp32});
+  double total = 0;
+  std::string failed;
+  tandem::NcclGroup({0}).run([&](tandem::Nccl& comm) {
+    cudaStream_t user = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+    cudaGraph_t captured = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    try {
+      tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
+          comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}});
+      dp.broadcast_parameters();
+      dp.step();  // the warm-up step: whatever a first step sets up is set up
+      if (graph) {
+        TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
+        dp.step();
+        TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &captured));
+        TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
+      }
+      auto one = [&] {
+        if (graph)
+          TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+        else
+          dp.step();
+      };
+      one();
+      for (auto _ : state) {
+        const double t = event_seconds(user, 1, one);
+        state.SetIterationTime(t);
+        total += t;
+      }
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (captured != nullptr) cudaGraphDestroy(captured);
+    cudaStreamDestroy(user);
+  });
+  if (!failed.empty()) {
+    state.SkipWithError(failed.c_str());
+    return;
+  }
+  const std::size_t traffic = bench::total(sizes) * (8 + 28 + 8);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+  state.counters["x_copy"] = copy_seconds(backend(), traffic / 2) / (total / static_cast<double>(state.iterations()));
+}
+#endif
 
 void register_all() {
   for (const char* name : {"gpt2", "10000x1KB"}) {
@@ -190,6 +279,14 @@ void register_all() {
       ->Range(1 << 20, 1 << 28)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
+#if TANDEM_BENCH_STEP
+  for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
+    benchmark::RegisterBenchmark(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2", BM_step, std::string("gpt2"),
+                                 graph)
+        ->Iterations(20)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+#endif
 }
 
 }  // namespace

@@ -36,9 +36,16 @@ void BM_update(benchmark::State& state) {
   // bytes per element: read grad and master, read+write each state, write master, and the param copy
   const std::size_t states = Opt::state_count(options);
   const std::size_t per_element = 4 + 4 + 8 * states + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P));
+  // the step's scalars as a DataParallel makes them: PrepareStepBody before each update (host memory is the backend's)
   std::uint64_t t = 0;
+  float grad_scale = 0.0f;
+  typename Opt::Scalars scalars{};
+  a.grad_scale = &grad_scale;
+  const tandem::detail::PrepareStepBody<Opt> prepare{
+      .step = &t, .grad_scale = &grad_scale, .options = &options, .scalars = &scalars, .groups = 1};
   bench::run_against_memcpy(state, n * per_element, n * per_element / 2, [&] {
-    backend.launch(tandem::update_items(n), typename Opt::template Body<P>{a, Opt::scalars(options, ++t)});
+    backend.launch(1, prepare);
+    backend.launch(tandem::update_items(n), typename Opt::template Body<P>{a, &scalars});
   });
 }
 

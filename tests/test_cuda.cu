@@ -320,17 +320,148 @@ TEST_CASE_TEMPLATE("CUDA optimizer updates are bitwise equal to the host", Opt, 
   typename Opt::Options o;
   if constexpr (std::is_same_v<Opt, tandem::SGD>) o.momentum = 0.9f;
   const tandem::CudaBackend cuda;
+  // The step's scalars as a DataParallel makes them (detail::StepControl): PrepareStepBody on each side, from a step
+  // count, the options and a squared norm in that side's memory, with clipping.
+  using Scalars = typename Opt::Scalars;
+  std::uint64_t h_step = 0;
+  float h_scale = 0.0f;
+  Scalars h_scalars{};
+  const double sum_of_squares = 1234.5;
+  Device<std::uint64_t> d_step(1);
+  Device<float> d_scale(1);
+  Device<typename Opt::Options> d_options(1);
+  Device<Scalars> d_scalars(1);
+  Device<double> d_sum(1);
+  d_step.upload(&h_step, 1), d_options.upload(&o, 1), d_sum.upload(&sum_of_squares, 1);
   for (std::uint64_t t = 1; t <= 3; ++t) {
-    tandem::UpdateArgs<float> h{w.data(), w.data(), g.data(), {s0.data(), s1.data()}, n, 0.5f};
-    tandem::UpdateArgs<float> d{dw.p, dw.p, dg.p, {ds0.p, ds1.p}, n, 0.5f};
-    tandem::HostBackend{}.launch(tandem::update_items(n), typename Opt::template Body<float>{h, Opt::scalars(o, t)});
-    cuda.launch(tandem::update_items(n), typename Opt::template Body<float>{d, Opt::scalars(o, t)}, cuda.stream());
+    tandem::HostBackend{}.launch(
+        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, &sum_of_squares, 0.5f, 10.0f});
+    cuda.launch(
+        1, tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, d_sum.p, 0.5f, 10.0f},
+        cuda.stream());
+    tandem::UpdateArgs<float> h{w.data(), w.data(), g.data(), {s0.data(), s1.data()}, n, &h_scale};
+    tandem::UpdateArgs<float> d{dw.p, dw.p, dg.p, {ds0.p, ds1.p}, n, d_scale.p};
+    tandem::HostBackend{}.launch(tandem::update_items(n), typename Opt::template Body<float>{h, &h_scalars});
+    cuda.launch(tandem::update_items(n), typename Opt::template Body<float>{d, d_scalars.p}, cuda.stream());
   }
   cuda.synchronize(cuda.stream());
   std::vector<float> got(n);
   dw.download(got.data(), n);
   CHECK(relative_error(got, w) <= 1e-6);  // how far, if the bits below differ
   CHECK(std::memcmp(got.data(), w.data(), n * sizeof(float)) == 0);
+  CHECK(h_step == 3);
+  CHECK(h_scale < 0.5f);  // clipped: norm sqrt(1234.5) * 0.5 against 10
+}
+
+TEST_CASE_TEMPLATE("CUDA step scalars are bitwise the host's at any step count", Opt, tandem::AdamW, tandem::SGD) {
+  // Bias corrections beta^t by squaring (detail::pow_rn) and the clip coefficient, at step counts up to 2^40.
+  typename Opt::Options o;
+  if constexpr (std::is_same_v<Opt, tandem::AdamW>) o.beta2 = 0.99999f;
+  using Scalars = typename Opt::Scalars;
+  const tandem::CudaBackend cuda;
+  Device<std::uint64_t> d_step(1);
+  Device<float> d_scale(1);
+  Device<typename Opt::Options> d_options(1);
+  Device<Scalars> d_scalars(1);
+  Device<double> d_sum(1);
+  d_options.upload(&o, 1);
+  std::mt19937_64 rng(11);
+  for (int k = 0; k < 200; ++k) {
+    const std::uint64_t before = k < 100 ? static_cast<std::uint64_t>(k) : rng() >> (24 + k % 40);
+    const double sum_of_squares = std::ldexp(static_cast<double>(rng() >> 11), -40 + k % 60);
+    CAPTURE(before);
+    CAPTURE(sum_of_squares);
+    std::uint64_t h_step = before;
+    float h_scale = 0.0f;
+    Scalars h_scalars{};
+    tandem::HostBackend{}.launch(
+        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, &sum_of_squares, 0.25f, 1.0f});
+    d_step.upload(&before, 1), d_sum.upload(&sum_of_squares, 1);
+    cuda.launch(
+        1, tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, d_sum.p, 0.25f, 1.0f},
+        cuda.stream());
+    cuda.synchronize(cuda.stream());
+    std::uint64_t step = 0;
+    float scale = 0.0f;
+    Scalars scalars{};
+    d_step.download(&step, 1), d_scale.download(&scale, 1), d_scalars.download(&scalars, 1);
+    CHECK(step == before + 1);
+    CHECK(std::memcmp(&scale, &h_scale, sizeof scale) == 0);
+    CHECK(std::memcmp(&scalars, &h_scalars, sizeof scalars) == 0);
+  }
+}
+
+namespace graph_test {  // not anonymous: a kernel's body type needs external linkage (TANDEM_KERNEL's visibility)
+
+/// The graph test's "backward" on the user's stream: g = 0.5 (w - target), the gradient of a quadratic loss.
+struct QuadraticGradient {
+  float* g;
+  const float* w;
+  const float* target;
+  std::size_t n;
+  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+    const std::size_t begin = item * 1024, end = begin + 1024 < n ? begin + 1024 : n;
+    for (std::size_t i = begin + lane; i < end; i += lanes) g[i] = 0.5f * (w[i] - target[i]);
+  }
+};
+
+}  // namespace graph_test
+
+TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bits of eager steps", P,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // One rank without clipping: step() makes no host read (docs/cuda.md, "Step scalars"). The backward is captured
+  // with it, so each replay is a whole training step; each must use its own step count's bias corrections.
+  constexpr std::size_t n = 70001;
+  constexpr int steps = 6;
+  std::vector<float> w0(n), target(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    w0[i] = 0.01f * static_cast<float>(i % 97);
+    target[i] = 0.5f - 0.002f * static_cast<float>(i % 89);
+  }
+  auto train = [&](bool captured) {
+    std::vector<float> out(n);
+    tandem::NcclGroup({0}).run([&](tandem::Nccl& comm) {
+      cudaStream_t user = nullptr;
+      TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+      Device<float> w(n), g(n), t(n);
+      w.upload(w0.data(), n), t.upload(target.data(), n);
+      TANDEM_CUDA_CHECK(cudaMemset(g.p, 0, n * sizeof(float)));
+      {
+        tandem::DataParallel<P, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
+            comm, {{"w", w.p, g.p, n}}, {.lr = 1e-2f}, {.bucket_cap_bytes = 65536, .stream = tandem::Stream{user}});
+        dp.broadcast_parameters();
+        const tandem::CudaBackend launcher;
+        auto optimizer_step = [&] {
+          launcher.launch(tandem::update_items(n), graph_test::QuadraticGradient{g.p, w.p, t.p, n},
+                          tandem::Stream{user});
+          dp.step();
+        };
+        optimizer_step();  // a warm-up step first, as usual before a capture
+        if (!captured) {
+          for (int s = 1; s < steps; ++s) optimizer_step();
+        } else {
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
+          optimizer_step();
+          TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &graph));
+          TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+          for (int s = 1; s < steps; ++s) TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+          TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
+          TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+          TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+          CHECK(dp.step_count() == 2u);  // the host counts step() calls; the device counted the replays too
+        }
+        TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
+        w.download(out.data(), n);
+      }
+      TANDEM_CUDA_CHECK(cudaStreamDestroy(user));
+    });
+    return out;
+  };
+  const std::vector<float> eager = train(false), replayed = train(true);
+  CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+  CHECK(eager != w0);
 }
 
 TEST_CASE("CUDA sum of squares: deterministic, and equal to the host's within 1e-12") {

@@ -26,6 +26,7 @@
 #include "tandem/front/detail/agreement.hpp"
 #include "tandem/front/detail/bucket_kernels.hpp"
 #include "tandem/front/detail/checkpoint_io.hpp"
+#include "tandem/front/detail/step_control.hpp"
 #include "tandem/front/detail/training_state.hpp"
 #include "tandem/front/detail/validation.hpp"
 #include "tandem/front/estimate.hpp"
@@ -191,9 +192,11 @@ void check_kernels() {
   r.state[0] = m.data();
   r.state[1] = v.data();
   r.n = n;
-  r.grad_scale = 2.0f;
+  const float grad_scale = 2.0f;
+  r.grad_scale = &grad_scale;
   const tandem::AdamWOptions o{.lr = 0.5f, .weight_decay = 0.0f};
-  k.update(be, r, tandem::AdamW::scalars(o, 1), {});
+  const tandem::AdamW::Scalars scalars = tandem::AdamW::scalars(o, 1);
+  k.update(be, r, &scalars, {});
   for (std::size_t i = 0; i < n; ++i) {
     const double g = 2.0 * tandem::convert<float>(store[i]);
     const double step = g == 0.0 ? 0.0 : 0.5 * g / (std::abs(g) + 1e-8);  // m̂ / (sqrt(v̂) + eps) at t = 1
@@ -251,6 +254,44 @@ TEST_CASE("BucketKernels packs and unpacks the user's tensors of its parameter d
       }
     }
   }
+}
+
+TEST_CASE("StepControl keeps the step count and makes each group's scalars and the factor on the stream") {
+  // On the stream-faithful backend: the values exist once the stream has run, in its order.
+  const tandem::StreamHostBackend be;
+  const tandem::Stream s = be.stream();
+  tandem::detail::StepControl<tandem::SGD, tandem::StreamHostBackend> control(be, 3, 7, s);
+  // 11 groups: more than one store launch carries (8)
+  control.reserve_groups(be, 11);
+  std::vector<tandem::SGDOptions> groups;
+  for (int g = 0; g < 11; ++g) groups.push_back({.lr = 0.1f * static_cast<float>(g + 1), .momentum = 0.5f});
+  const std::vector<double> squares(1, 100.0);  // norm 10 * 0.5 = 5 against a maximum of 1
+  const tandem::StreamHostBackend::Buffer<double> sum = be.allocate<double>(1);
+  be.copy(sum.data(), squares.data(), sizeof(double), s);
+  control.prepare(be, groups, sum.data(), 0.5f, 1.0f, s);
+  std::vector<tandem::SGD::Scalars> got(11);
+  float scale = 0.0f;
+  be.read(got.data(), control.scalars(0), got.size() * sizeof(tandem::SGD::Scalars), s);
+  be.read(&scale, control.grad_scale(), sizeof scale, s);
+  for (std::size_t g = 0; g < 11; ++g) {
+    CAPTURE(g);
+    CHECK(got[g].lr == groups[g].lr);
+    CHECK(!got[g].first_step);  // step 8
+  }
+  CHECK(scale == tandem::detail::mul_rn(0.5f, tandem::detail::clip_coefficient(5.0, 1.0f)));
+  CHECK(scale < 0.5f * 0.2f + 1e-6f);
+  // the count set again (a checkpoint's load at step 0): the next step is the first
+  control.set_step(be, 0, s);
+  groups.resize(2);
+  control.prepare(be, groups, nullptr, 0.25f, 0.0f, s);
+  be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
+  be.read(&scale, control.grad_scale(), sizeof scale, s);
+  CHECK(got[0].first_step);
+  CHECK(got[1].first_step);
+  CHECK(scale == 0.25f);
+  groups.resize(12);
+  CHECK_THROWS_WITH_AS(control.prepare(be, groups, nullptr, 1.0f, 0.0f, s), doctest::Contains("more optimizer groups"),
+                       tandem::error);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

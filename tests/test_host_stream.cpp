@@ -122,6 +122,66 @@ TEST_CASE("a wait is released by the record it saw, not by a later record on ano
   a.synchronize();
 }
 
+TEST_CASE("a capture records work without running it; each replay runs it again, ordered across the joined streams") {
+  tandem::HostStream origin({.max_delay = 200us, .seed = 5}), side({.max_delay = 200us, .seed = 6});
+  const tandem::StreamHostBackend backend;
+  std::mutex m;
+  std::vector<int> order;
+  auto push = [&](int v) {
+    std::lock_guard lock(m);
+    order.push_back(v);
+  };
+  origin.begin_capture();
+  backend.launch(1, Task{[&] { push(1); }}, origin.stream());
+  tandem::HostEvent fork, join;
+  backend.record(fork, origin.stream());
+  backend.wait(side.stream(), fork);  // side joins the capture
+  backend.launch(1, Task{[&] {
+                   std::this_thread::sleep_for(2ms);
+                   push(2);
+                 }},
+                 side.stream());
+  backend.record(join, side.stream());
+  backend.wait(origin.stream(), join);  // and rejoins
+  backend.launch(1, Task{[&] { push(3); }}, origin.stream());
+  const tandem::HostGraph graph = origin.end_capture();
+  CHECK(graph.size() == 7);
+  origin.synchronize();
+  side.synchronize();
+  CHECK(order.empty());  // captured, not run
+  for (int k = 0; k < 3; ++k) graph.replay();
+  origin.synchronize();
+  CHECK(order == std::vector<int>{1, 2, 3, 1, 2, 3, 1, 2, 3});
+  // the streams capture no more: work runs
+  backend.launch(1, Task{[&] { push(4); }}, side.stream());
+  side.synchronize();
+  CHECK(order.back() == 4);
+}
+
+TEST_CASE("a capturing stream cannot be waited for, and a stream that joined a capture must rejoin it") {
+  tandem::HostStream a, b;
+  const tandem::StreamHostBackend backend;
+  a.begin_capture();
+  CHECK_THROWS_WITH_AS(a.begin_capture(), doctest::Contains("capturing already"), tandem::error);
+  CHECK_THROWS_WITH_AS(a.synchronize(), doctest::Contains("while capturing"), tandem::error);
+  float x = 1.0f, y = 0.0f;
+  CHECK_THROWS_WITH_AS(backend.read(&y, &x, sizeof x, a.stream()), doctest::Contains("while capturing"), tandem::error);
+  tandem::HostEvent e;
+  backend.record(e, a.stream());
+  CHECK_THROWS_WITH_AS(backend.wait(tandem::Stream{}, e), doctest::Contains("recorded during a capture"),
+                       tandem::error);
+  backend.wait(b.stream(), e);  // b joins
+  int ran = 0;
+  backend.launch(1, Task{[&] { ++ran; }}, b.stream());
+  CHECK_THROWS_WITH_AS(b.end_capture(), doctest::Contains("did not begin a capture"), tandem::error);
+  CHECK_THROWS_WITH_AS(a.end_capture(), doctest::Contains("did not rejoin"), tandem::error);
+  // the failed end left neither stream capturing
+  backend.launch(1, Task{[&] { ++ran; }}, b.stream());
+  b.synchronize();
+  a.synchronize();
+  CHECK(ran == 1);
+}
+
 TEST_CASE("an error is sticky on its stream, passes through events, and never hangs a waiter") {
   tandem::HostStream failing, downstream;
   const tandem::StreamHostBackend backend;

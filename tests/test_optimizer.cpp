@@ -63,8 +63,9 @@ void check_optimizer(const typename Opt::Options& o, unsigned lanes) {
     a.state[0] = state0.data();
     a.state[1] = state1.data();
     a.n = n;
-    a.grad_scale = grad_scale;
-    run_body(typename Opt::template Body<P>{a, Opt::scalars(o, t)}, tandem::update_items(n), lanes);
+    a.grad_scale = &grad_scale;
+    const typename Opt::Scalars scalars = Opt::scalars(o, t);
+    run_body(typename Opt::template Body<P>{a, &scalars}, tandem::update_items(n), lanes);
 
     // double-precision reference
     for (std::size_t i = 0; i < n; ++i) {
@@ -126,6 +127,60 @@ TEST_CASE("sum of squares: fixed chunking, equal to a double loop") {
     CHECK(one_lane == doctest::Approx(want).epsilon(1e-12));
     CHECK(many_lanes == doctest::Approx(want).epsilon(1e-12));
   }
+}
+
+TEST_CASE("bias corrections by squaring are within a float's rounding of std::pow's, at any step count") {
+  using tandem::detail::pow_rn;
+  for (std::uint64_t t = 0; t < 64; ++t) CHECK(pow_rn(0.5, t) == std::ldexp(1.0, -static_cast<int>(t)));  // exact
+  CHECK(pow_rn(0.9, 1) == 0.9);
+  std::mt19937_64 rng(3);
+  std::size_t checked = 0;
+  for (float beta : {0.5f, 0.9f, 0.99f, 0.999f, 0.9999f, 0.99999f}) {
+    const tandem::AdamWOptions o{.lr = 3e-4f, .beta1 = beta, .beta2 = beta};
+    for (int k = 0; k < 3000; ++k) {
+      const std::uint64_t t = k < 2000 ? static_cast<std::uint64_t>(k) + 1 : (rng() >> (24 + k % 40)) + 1;
+      const tandem::AdamW::Scalars s = tandem::AdamW::scalars(o, t);
+      const double bc = 1.0 - std::pow(double{beta}, static_cast<double>(t));
+      const auto step_size = static_cast<float>(double{o.lr} / bc);
+      const auto inv_sqrt = static_cast<float>(1.0 / std::sqrt(bc));
+      CAPTURE(beta);
+      CAPTURE(t);
+      CHECK(std::abs(s.step_size - step_size) <= std::nextafter(step_size, 2 * step_size) - step_size);
+      CHECK(std::abs(s.inv_sqrt_bc2 - inv_sqrt) <= std::nextafter(inv_sqrt, 2 * inv_sqrt) - inv_sqrt);
+      ++checked;
+    }
+  }
+  CHECK(checked == 18000);
+}
+
+TEST_CASE("PrepareStepBody: the step count advances, each group's scalars, and torch's clip rule in the factor") {
+  const std::array<tandem::AdamWOptions, 2> groups{tandem::AdamWOptions{.lr = 1e-3f},
+                                                   tandem::AdamWOptions{.lr = 2e-2f, .weight_decay = 0.0f}};
+  std::array<tandem::AdamW::Scalars, 2> scalars{};
+  std::uint64_t step = 41;
+  float scale = -1.0f;
+  auto prepare = [&](const double* sum_of_squares, float average, float max_norm) {
+    tandem::detail::PrepareStepBody<tandem::AdamW>{&step, &scale,         groups.data(), scalars.data(),
+                                                   2,     sum_of_squares, average,       max_norm}(0, 0, 1);
+  };
+  prepare(nullptr, 0.25f, 0.0f);  // no clipping: the factor is the averaging
+  CHECK(step == 42);
+  CHECK(scale == 0.25f);
+  for (std::size_t g = 0; g < 2; ++g) {
+    const tandem::AdamW::Scalars want = tandem::AdamW::scalars(groups[g], 42);
+    CHECK(std::memcmp(&scalars[g], &want, sizeof want) == 0);
+  }
+  const double big = 400.0;  // norm sqrt(400) * 0.5 = 10 against max 1: factor 0.5 * 1 / (10 + 1e-6)
+  prepare(&big, 0.5f, 1.0f);
+  CHECK(step == 43);
+  CHECK(scale == static_cast<float>(0.5 * static_cast<float>(1.0 / (10.0 + 1e-6))));
+  const double small = 0.01;  // norm 0.05 under max 1: not clipped
+  prepare(&small, 0.5f, 1.0f);
+  CHECK(scale == 0.5f);
+  const double nan = std::nan("");
+  prepare(&nan, 0.5f, 1.0f);  // a non-finite norm is not clipped (NonFinite::ignore)
+  CHECK(scale == 0.5f);
+  CHECK(step == 45);
 }
 
 TEST_CASE("optimizer options are validated with the option's name") {
@@ -210,9 +265,10 @@ void check_against_plain(const typename Opt::Options& o, std::uint64_t t, std::s
   a.state[0] = s0.p;
   a.state[1] = s1.p;
   a.n = n;
-  a.grad_scale = 0.75f;
+  const float grad_scale = 0.75f;
+  a.grad_scale = &grad_scale;
   const typename Opt::Scalars scalars = Opt::scalars(o, t);
-  run_body(typename Opt::template Body<P, G>{a, scalars}, tandem::update_items(n), lanes);
+  run_body(typename Opt::template Body<P, G>{a, &scalars}, tandem::update_items(n), lanes);
 
   using Plain = std::conditional_t<std::is_same_v<Opt, tandem::AdamW>, PlainAdamW, PlainSGD>;
   const Plain plain{scalars};

@@ -92,8 +92,9 @@ void update(const rounding::Update& u, const typename Opt::Options& o, unsigned 
     a.state[0] = u.state0;
     a.state[1] = u.state1;
     a.n = u.n;
-    a.grad_scale = u.grad_scale;
-    run_items(typename Opt::template Body<P>{a, Opt::scalars(o, u.step)}, tandem::update_items(u.n), lanes);
+    a.grad_scale = &u.grad_scale;
+    const typename Opt::Scalars scalars = Opt::scalars(o, u.step);
+    run_items(typename Opt::template Body<P>{a, &scalars}, tandem::update_items(u.n), lanes);
   });
 }
 

@@ -11,6 +11,12 @@
 //                       before the wait (cudaEventRecord / cudaStreamWaitEvent): each record is its own state, so a
 //                       later record never releases an earlier wait. Waiting on an event never recorded does
 //                       nothing. An error on the recording stream passes to the waiting stream.
+//   capture             begin_capture() / end_capture() on a HostStream: what is enqueued meanwhile is recorded, not
+//                       run (cudaStreamBeginCapture / EndCapture): a stream that waits on an event recorded during the
+//                       capture joins it, and must rejoin the capturing stream by an event before the capture ends.
+//                       Synchronizing or reading a capturing stream throws, as CUDA refuses it. HostGraph::replay()
+//                       enqueues the recorded work again on the same streams, with fresh events between them
+//                       (cudaGraphLaunch): the host's stand-in for a step captured in a CUDA graph.
 //   StreamHostBackend   HostBackend's operations (copy, zero, launch, sum_to, read) enqueued on a stream; buffers are
 //                       freed in stream order (cudaFreeAsync), poisoned with 0xFF bytes (NaN) when allocated and
 //                       again just before they are freed, so reading uninitialised or freed memory shows.
@@ -40,6 +46,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "tandem/backend/host.hpp"
 #include "tandem/core/error.hpp"
@@ -55,6 +62,8 @@ struct HostStreamOptions {
   std::uint64_t seed = 0;  ///< the delays' seed; each stream mixes in its own serial number
 };
 
+class HostStream;
+
 namespace detail {
 
 /// splitmix64: the delays' generator (small, and the same everywhere).
@@ -69,6 +78,8 @@ inline std::uint64_t next_host_stream_serial() {
   static std::atomic<std::uint64_t> serial{0};
   return serial.fetch_add(1, std::memory_order_relaxed);
 }
+
+struct HostCapture;
 
 /// One record of an event: reached when the recording stream runs it (with that stream's failure, if any). Waits
 /// capture the record that is current when they are made, so a later record never releases them, as with CUDA.
@@ -94,6 +105,47 @@ class HostEventRecord {
   std::condition_variable changed_;
   bool reached_ = false;
   std::exception_ptr failure_;
+
+ public:
+  /// Set where the record was made on a capturing stream: it is reached only in a replay of the capture.
+  std::shared_ptr<HostCapture> capture;
+  std::size_t number = 0;  ///< its number in the capture
+};
+
+/// Work recorded on HostStreams during a capture (HostStream::begin_capture): the steps in the order they were made,
+/// each on its stream; event records and waits between the streams are numbered, so that a replay makes fresh ones.
+struct HostCapture {
+  struct Step {
+    enum class Kind { op, record, wait };
+    HostStream* stream = nullptr;
+    Kind kind = Kind::op;
+    std::function<void(const std::exception_ptr&)> op;  ///< Kind::op: the operation, given the stream's error
+    bool always = false;                                ///< Kind::op: runs after a failure too (enqueue_always)
+    std::size_t record = 0;                             ///< Kind::record, Kind::wait: the capture's record number
+    std::shared_ptr<HostEventRecord> outside;           ///< Kind::wait on a record made before the capture
+  };
+  HostStream* origin = nullptr;
+  std::vector<HostStream*> streams;  ///< origin first, then the streams that joined
+  std::vector<Step> steps;
+  std::size_t records = 0;
+  std::atomic<bool> ended{false};  ///< end_capture ran: its records are reached in replays only
+
+  void add(HostStream* stream, Step::Kind kind, std::size_t record = 0,
+           std::shared_ptr<HostEventRecord> outside = nullptr) {
+    Step step;
+    step.stream = stream;
+    step.kind = kind;
+    step.record = record;
+    step.outside = std::move(outside);
+    steps.push_back(std::move(step));
+  }
+  void add_op(HostStream* stream, std::function<void(const std::exception_ptr&)> op, bool always) {
+    Step step;
+    step.stream = stream;
+    step.op = std::move(op);
+    step.always = always;
+    steps.push_back(std::move(step));
+  }
 };
 
 /// An event: its most recent record (none before the first).
@@ -103,6 +155,8 @@ struct HostEventState {
 };
 
 }  // namespace detail
+
+class HostGraph;
 
 /// A host "stream": a worker thread running enqueued operations in order (see the top of this file).
 class HostStream {
@@ -143,9 +197,14 @@ class HostStream {
   /// waits, and frees, which must happen whatever came before.
   void enqueue_always(std::function<void(const std::exception_ptr&)> op) { push(std::move(op), Admit::always); }
 
-  /// Blocks until every operation enqueued so far has run; throws the stream's error.
+  /// Blocks until every operation enqueued so far has run; throws the stream's error, or tandem::error while the
+  /// stream is capturing (nothing it recorded has run).
   void synchronize() {
     std::unique_lock lock(mutex_);
+    if (capture_ != nullptr)
+      detail::fail(
+          "tandem: a HostStream was synchronized (or read) while capturing; a captured step must not wait "
+          "for its work (as in CUDA graph capture)");
     const std::uint64_t target = enqueued_;
     drained_.wait(lock, [&] { return done_ >= target; });
     rethrow_locked();
@@ -154,6 +213,53 @@ class HostStream {
  private:
   using Op = std::function<void(const std::exception_ptr&)>;
   enum class Admit { unless_failed, always };
+  friend class HostEvent;
+  friend class HostGraph;
+
+  /// A record of this stream's current point: reached when the stream runs it, or numbered in the capture.
+  std::shared_ptr<detail::HostEventRecord> record_point() {
+    auto record = std::make_shared<detail::HostEventRecord>();
+    {
+      std::lock_guard lock(mutex_);
+      if (capture_ != nullptr) {
+        record->capture = capture_;
+        record->number = capture_->records++;
+        capture_->add(this, Kind::record, record->number);
+        return record;
+      }
+    }
+    enqueue_always([record](const std::exception_ptr& failed) { record->reach(failed); });
+    return record;
+  }
+
+  /// Later work on this stream waits for `record`. A record made during a capture makes this stream join it.
+  void wait_for(std::shared_ptr<detail::HostEventRecord> record) {
+    {
+      std::lock_guard lock(mutex_);
+      if (record->capture != nullptr && record->capture->ended)
+        detail::fail(
+            "tandem: a HostStream waited on an event last recorded during a capture that has ended (its "
+            "record is reached only inside a replay); record the event again first");
+      if (record->capture != nullptr && capture_ != record->capture) {
+        if (capture_ != nullptr)
+          detail::fail("tandem: a HostStream capturing one capture waited on an event of another capture");
+        capture_ = record->capture;  // joins
+        capture_->streams.push_back(this);
+      }
+      if (capture_ != nullptr) {
+        if (record->capture != nullptr)
+          capture_->add(this, Kind::wait, record->number);
+        else
+          capture_->add(this, Kind::wait, 0, std::move(record));
+        return;
+      }
+    }
+    enqueue_always([record = std::move(record)](const std::exception_ptr& failed) {
+      if (failed) return;  // this stream is failed already: nothing after it runs anyway
+      if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
+    });
+  }
+  using Kind = detail::HostCapture::Step::Kind;
 
   void rethrow_locked() {
     if (!failure_) return;
@@ -165,6 +271,10 @@ class HostStream {
     {
       std::lock_guard lock(mutex_);
       if (admit == Admit::unless_failed) rethrow_locked();
+      if (capture_ != nullptr) {
+        capture_->add_op(this, std::move(op), admit == Admit::always);
+        return;
+      }
       queue_.push_back(std::move(op));
       ++enqueued_;
     }
@@ -218,8 +328,98 @@ class HostStream {
   std::exception_ptr failure_;
   bool failure_seen_ = false;
   bool stopping_ = false;
-  std::thread worker_;  // last: it starts once everything above exists
+  std::shared_ptr<detail::HostCapture> capture_;  ///< the capture this stream records into (null: none)
+  std::thread worker_;                            // last: it starts once everything above exists
+
+ public:
+  /// From now on, what is enqueued on this stream is recorded, not run (see the top of this file).
+  void begin_capture() {
+    std::lock_guard lock(mutex_);
+    if (capture_ != nullptr) detail::fail("tandem: HostStream::begin_capture on a stream that is capturing already");
+    capture_ = std::make_shared<detail::HostCapture>();
+    capture_->origin = this;
+    capture_->streams.push_back(this);
+  }
+
+  /// Whether what is enqueued on this stream now is recorded into a capture rather than run.
+  bool capturing() {
+    std::lock_guard lock(mutex_);
+    return capture_ != nullptr;
+  }
+
+  /// Ends the capture begun on this stream and returns its work. Every stream that joined must have rejoined: its
+  /// last step a record that this stream waited on after it (else tandem::error, and the capture ends unused).
+  HostGraph end_capture();
 };
+
+/// Work captured on HostStreams (HostStream::end_capture), to be replayed.
+class HostGraph {
+ public:
+  /// Enqueues the captured work again on the streams it was captured on, each stream's steps in their order, with a
+  /// fresh record for every event record made during the capture: on the capturing stream after what was enqueued on
+  /// it before, and on a joined stream after the capturing stream's record it first waited on.
+  void replay() const {
+    std::vector<std::shared_ptr<detail::HostEventRecord>> records(capture_->records);
+    for (auto& r : records) r = std::make_shared<detail::HostEventRecord>();
+    for (const detail::HostCapture::Step& step : capture_->steps) {
+      using Kind = detail::HostCapture::Step::Kind;
+      HostStream& q = *step.stream;
+      if (step.kind == Kind::op)
+        q.push(step.op, step.always ? HostStream::Admit::always : HostStream::Admit::unless_failed);
+      else if (step.kind == Kind::record)
+        q.enqueue_always([r = records[step.record]](const std::exception_ptr& failed) { r->reach(failed); });
+      else
+        q.enqueue_always([r = step.outside ? step.outside : records[step.record]](const std::exception_ptr& failed) {
+          if (failed) return;
+          if (std::exception_ptr failure = r->wait()) std::rethrow_exception(failure);
+        });
+    }
+  }
+  /// Operations, event records and waits captured.
+  std::size_t size() const { return capture_->steps.size(); }
+
+ private:
+  friend class HostStream;
+  explicit HostGraph(std::shared_ptr<const detail::HostCapture> capture) : capture_(std::move(capture)) {}
+  std::shared_ptr<const detail::HostCapture> capture_;
+};
+
+inline HostGraph HostStream::end_capture() {
+  std::shared_ptr<detail::HostCapture> capture;
+  {
+    std::lock_guard lock(mutex_);
+    if (capture_ == nullptr || capture_->origin != this)
+      detail::fail("tandem: HostStream::end_capture on a stream that did not begin a capture");
+    capture = capture_;
+  }
+  // Stop every stream's recording first, so that a failed check below leaves no stream capturing.
+  capture->ended = true;
+  for (HostStream* q : capture->streams) {
+    std::lock_guard lock(q->mutex_);
+    q->capture_.reset();
+  }
+  using Kind = detail::HostCapture::Step::Kind;
+  const std::vector<detail::HostCapture::Step>& steps = capture->steps;
+  for (std::size_t k = 1; k < capture->streams.size(); ++k) {
+    const HostStream* joined = capture->streams[k];
+    std::size_t last = steps.size();
+    for (std::size_t i = 0; i < steps.size(); ++i)
+      if (steps[i].stream == joined) last = i;
+    bool rejoined = last < steps.size() && steps[last].kind == Kind::record;
+    if (rejoined) {
+      rejoined = false;
+      for (std::size_t i = last + 1; i < steps.size(); ++i)
+        if (steps[i].stream == this && steps[i].kind == Kind::wait && !steps[i].outside &&
+            steps[i].record == steps[last].record)
+          rejoined = true;
+    }
+    if (!rejoined)
+      detail::fail(
+          "tandem: HostStream::end_capture: a stream joined the capture and did not rejoin it (record an "
+          "event on it last and make the capturing stream wait for it)");
+  }
+  return HostGraph(std::move(capture));
+}
 
 namespace detail {
 
@@ -252,13 +452,15 @@ class HostEvent {
   /// Marks the point `s` has reached (Stream{}: now).
   void record(Stream s) {
     HostStream* q = detail::host_queue(s);
-    auto record = std::make_shared<detail::HostEventRecord>();
-    {
-      std::lock_guard lock(state_->mutex);
-      state_->current = record;
+    std::shared_ptr<detail::HostEventRecord> record;
+    if (q != nullptr) {
+      record = q->record_point();
+    } else {
+      record = std::make_shared<detail::HostEventRecord>();
+      record->reach(nullptr);
     }
-    if (q == nullptr) return record->reach(nullptr);
-    q->enqueue_always([record](const std::exception_ptr& failed) { record->reach(failed); });
+    std::lock_guard lock(state_->mutex);
+    state_->current = std::move(record);
   }
 
   /// Later work on `s` waits for the most recent record made before this call (Stream{}: the calling thread blocks,
@@ -271,14 +473,10 @@ class HostEvent {
     }
     if (record == nullptr) return;  // never recorded: nothing to wait for
     HostStream* q = detail::host_queue(s);
-    if (q == nullptr) {
-      if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
-      return;
-    }
-    q->enqueue_always([record](const std::exception_ptr& failed) {
-      if (failed) return;  // this stream is failed already: nothing after it runs anyway
-      if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
-    });
+    if (q != nullptr) return q->wait_for(std::move(record));
+    if (record->capture != nullptr)
+      detail::fail("tandem: the host waited on an event recorded during a capture (it is reached only in a replay)");
+    if (std::exception_ptr failure = record->wait()) std::rethrow_exception(failure);
   }
 
  private:

@@ -751,8 +751,13 @@ class LocalComm {
       detail::error_rank() = rank_;
       collective(kind, send, recv, count, dtype, op, root);
     });
-    previous_.record(stream);
     queued_ = true;
+    // A collective captured on the stream (HostStream::begin_capture) runs in the capture's replays, ordered by that
+    // stream: an event recorded in the capture could not be waited on after it, so the chain starts afresh.
+    if (queue->capturing())
+      previous_ = HostEvent{};
+    else
+      previous_.record(stream);
   }
 
   /// Waits until this rank's enqueued collectives have run; rethrows the error of the stream that ran the last one.

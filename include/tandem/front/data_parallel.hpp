@@ -81,6 +81,7 @@
 #include "tandem/front/detail/checkpoint_io.hpp"
 #include "tandem/front/detail/gather_slots.hpp"
 #include "tandem/front/detail/slot_pool.hpp"
+#include "tandem/front/detail/step_control.hpp"
 #include "tandem/front/detail/training_state.hpp"
 #include "tandem/front/detail/validation.hpp"
 #include "tandem/front/options.hpp"
@@ -265,7 +266,7 @@ class DataParallel {
                    "gradients were dropped: set the same options on every rank, and the next step() trains on");
     }
     if (norm) {
-      result.grad_norm = std::sqrt(agreed.sum_of_squares) * average;
+      result.grad_norm = detail::grad_norm(agreed.sum_of_squares, average);
       const bool finite = tandem::finite(result.grad_norm);
       if (!finite && options_.non_finite == NonFinite::throw_error) {
         drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
@@ -282,15 +283,15 @@ class DataParallel {
         scope.leave();
         return result;
       }
-      if (options_.max_grad_norm > 0.0f && finite)  // torch's clip_grad_norm_ rule
-        result.clip_coefficient = static_cast<float>(std::min(1.0, options_.max_grad_norm / (result.grad_norm + 1e-6)));
+      if (options_.max_grad_norm > 0.0f)  // as PrepareStepBody computes it on the backend for the update
+        result.clip_coefficient = detail::clip_coefficient(result.grad_norm, options_.max_grad_norm);
     }
     ++step_;
-    std::vector<typename Opt::Scalars> scalars;
-    for (const OptimizerOptions& g : groups_) scalars.push_back(Opt::scalars(g, step_));
+    control_.prepare(backend_, groups_, options_.max_grad_norm > 0.0f ? agreed.total : nullptr, average,
+                     options_.max_grad_norm, work_stream());
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      update(scope, b, scalars, average * result.clip_coefficient);
+      update(scope, b);
       P::after_update(ops, b);
       (this->*steps_->params_out)(scope, b);
     }
@@ -357,7 +358,8 @@ class DataParallel {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
-    const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
+    const StreamScope scope(*this, Exit::stay);      // the parameters as the user's stream left them; tandem only reads
+    step_ = control_.step(backend_, work_stream());  // replays of a captured step advanced the backend's count only
     std::string problem;
     std::uint64_t id = 0;
     try {
@@ -489,6 +491,7 @@ class DataParallel {
       }
     }
     step_ = step;
+    control_.set_step(backend_, step, work_stream());
     reset_window();
     gathered_.forget();
     synced_ = true;
@@ -674,6 +677,8 @@ class DataParallel {
   const Layout& layout() const { return layout_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
+  /// Optimizer steps taken, as counted by step(). Replays of a step captured in a CUDA graph advance the backend's
+  /// count only (docs/cuda.md, "Capturing a step"); save_checkpoint reads that count, and this follows it from then.
   std::uint64_t step_count() const { return step_; }
   /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step).
   std::uint64_t skipped_steps() const { return skipped_; }
@@ -853,6 +858,7 @@ class DataParallel {
       problem = e.what();
     }
     all_ranks_succeed(problem);
+    control_.reserve_groups(backend_, groups.size());  // before the swap: nothing changes if it fails
     std::swap(groups_, groups);
     std::swap(group_of_, group_of);
     const std::uint64_t mine = optimizer_fingerprint();
@@ -1291,6 +1297,7 @@ class DataParallel {
     state_ = detail::TrainingState<Backend>(backend_, buffers_for<P>(buffer_inputs()), pdtype_, options_.reduce_dtype,
                                             Opt::state_count(groups_[0]), work_stream());
     state_.step_scalars(backend_, step_scalars_size());  // here, where every rank agrees on its allocations
+    control_ = detail::StepControl<Opt, Backend>(backend_, groups_.size(), step_, work_stream());
     kernels_ = detail::BucketKernels<Opt, Backend>::make(pdtype_, options_.reduce_dtype, state_.grad_shard_dtype());
     gathered_ = detail::GatherSlots(state_.gather_buffers());
     for (std::size_t k = 0; k < state_.gather_buffers(); ++k) {
@@ -1384,8 +1391,9 @@ class DataParallel {
 
   /// What the optimizer step's one scalar all-reduce returns.
   struct BoundaryScalars {
-    double sum_of_squares = 0.0;  ///< the squared global gradient norm, when asked for
-    bool options_agree = true;    ///< every rank's optimizer options have the same fingerprint
+    double sum_of_squares = 0.0;    ///< the squared global gradient norm, when asked for
+    const double* total = nullptr;  ///< where it lies in backend memory (when asked for)
+    bool options_agree = true;      ///< every rank's optimizer options have the same fingerprint
   };
 
   /// The optimizer step's one scalar all-reduce, in backend memory. It carries the optimizer options' fingerprint
@@ -1420,7 +1428,9 @@ class DataParallel {
     }
     if (check) {
       const std::array<double, lanes> mine = detail::WordAgreement::encode(optimizer_fingerprint(), world_);
-      StoreValuesBody store{.out = total + 1, .count = lanes};
+      // a literal size: nvcc 13 would spell a later StoreValuesBody<double, 4> with a named constant here as
+      // `unsigned long(...)` in its host code, which host compilers reject
+      StoreValuesBody<double, 4> store{.out = total + 1, .count = lanes};
       static_assert(lanes <= std::size(store.values));
       std::copy(mine.begin(), mine.end(), store.values);
       backend_.launch(1, store, work_stream());
@@ -1432,6 +1442,7 @@ class DataParallel {
     const std::size_t skip = norm ? 0 : 1;
     backend_.read(host.data() + skip, total + skip, (1 - skip + (check ? lanes : 0)) * sizeof(double), work_stream());
     return {.sum_of_squares = host[0],
+            .total = norm ? total : nullptr,
             .options_agree = !check || detail::WordAgreement::agree(host.data() + 1, world_)};
   }
 
@@ -1443,8 +1454,9 @@ class DataParallel {
                                    work_stream());
   }
 
-  /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group.
-  void update(const StreamScope&, std::size_t b, const std::vector<typename Opt::Scalars>& scalars, float grad_scale) {
+  /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group, its scalars those
+  /// control_.prepare() made.
+  void update(const StreamScope&, std::size_t b) {
     const std::size_t gsize = reduced_size();
     auto* params = static_cast<unsigned char*>(owned_params(b));
     const auto* grads = static_cast<const unsigned char*>(owned_grads(b));
@@ -1457,8 +1469,8 @@ class DataParallel {
       for (std::size_t k = 0; k < 2; ++k)
         r.state[k] = state_.state(k) != nullptr ? state_.state(k) + owned_offset(b) + seg.begin : nullptr;
       r.n = seg.end - seg.begin;
-      r.grad_scale = grad_scale;
-      kernels_.update(backend_, r, scalars[seg.group], work_stream());
+      r.grad_scale = control_.grad_scale();
+      kernels_.update(backend_, r, control_.scalars(seg.group), work_stream());
     }
   }
 
@@ -1544,6 +1556,7 @@ class DataParallel {
   std::size_t psize_ = 4;
   detail::TrainingState<Backend> state_;
   detail::BucketKernels<Opt, Backend> kernels_;
+  detail::StepControl<Opt, Backend> control_;  ///< the step count and the step's scalars, in backend memory
   ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers
   std::vector<std::vector<Range>> staging_gaps_;
   detail::GatherSlots gathered_;                      ///< which bucket each gather buffer holds

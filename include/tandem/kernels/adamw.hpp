@@ -56,7 +56,8 @@ struct AdamW {
     return detail::fingerprint_values({o.lr, o.beta1, o.beta2, o.eps, o.weight_decay});
   }
 
-  /// Per-step scalars, from the options and the 1-based step number t.
+  /// Per-step scalars, from the options and the 1-based step number t. A DataParallel computes them on its backend
+  /// (detail::PrepareStepBody), from the step count it keeps there.
   struct Scalars {
     float beta1, beta2, eps;
     float decay;         ///< 1 - lr * weight_decay
@@ -64,24 +65,25 @@ struct AdamW {
     float inv_sqrt_bc2;  ///< 1 / sqrt(1 - beta2^t)
   };
 
-  static Scalars scalars(const Options& o, std::uint64_t t) {
-    const double bc1 = 1.0 - std::pow(double{o.beta1}, static_cast<double>(t));
-    const double bc2 = 1.0 - std::pow(double{o.beta2}, static_cast<double>(t));
+  TANDEM_HD static Scalars scalars(const Options& o, std::uint64_t t) {
+    using detail::div_rn, detail::mul_rn, detail::pow_rn, detail::sqrt_rn;
+    const double bc1 = 1.0 - pow_rn(double{o.beta1}, t);
+    const double bc2 = 1.0 - pow_rn(double{o.beta2}, t);
     return {o.beta1,
             o.beta2,
             o.eps,
-            1.0f - detail::mul_rn(o.lr, o.weight_decay),
-            static_cast<float>(double{o.lr} / bc1),
-            static_cast<float>(1.0 / std::sqrt(bc2))};
+            1.0f - mul_rn(o.lr, o.weight_decay),
+            static_cast<float>(div_rn(double{o.lr}, bc1)),
+            static_cast<float>(div_rn(1.0, sqrt_rn(bc2)))};
   }
 
   template <class P, class G = float>
   struct Body {
     UpdateArgs<P, G> a;
-    Scalars s;
+    const Scalars* s;  ///< in backend memory
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
-      const Scalars c = s;  // a local copy: no store to the arrays can change it, so it stays in registers
+      const Scalars c = *s;  // a local copy: no store to the arrays can change it, so it stays in registers
       detail::update_item<2>(a, item, lane, lanes,
                              [c](float g, float& w, float(&mv)[2]) { element(c, g, w, mv[0], mv[1]); });
     }

@@ -4,10 +4,12 @@
 //
 // Data layout: element i of the range has an fp32 master weight master[i] (for fp32 parameters this is the
 // parameter itself, so param == master), a gradient grad[i] (already reduced over ranks; of type G: fp32, or the
-// 16-bit reduce dtype where the reduced shard stays in it; read as float and multiplied by grad_scale, which
-// carries clipping and any deferred averaging) and up to two fp32 state
-// elements state[0][i], state[1][i]. The updated weight is written to master[i] and, cast, to param[i]. Bodies
-// follow the rounding rule of kernels/detail/rounding.hpp, so an update gives the same bits on host and device.
+// 16-bit reduce dtype where the reduced shard stays in it; read as float and multiplied by *grad_scale, which
+// carries clipping and any deferred averaging) and up to two fp32 state elements state[0][i], state[1][i]. The
+// step's scalars (the factor *grad_scale and the optimizer's Scalars) are read from backend memory, where
+// PrepareStepBody computes them on the stream: the host passes pointers, never values that depend on the step. The
+// updated weight is written to master[i] and, cast, to param[i]. Bodies follow the rounding rule of
+// kernels/detail/rounding.hpp, so an update gives the same bits on host and device.
 #pragma once
 
 #include <concepts>
@@ -38,7 +40,7 @@ struct UpdateArgs {
   const G* grad = nullptr;
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
-  float grad_scale = 1.0f;
+  const float* grad_scale = nullptr;  ///< in backend memory: the factor of every gradient
 };
 
 /// Work items of an update over n elements.
@@ -66,7 +68,7 @@ template <class P, class G>
 inline constexpr std::size_t update_group_elements = 16 / (sizeof(P) < 4 || sizeof(G) < 4 ? 2 : 4);
 
 /// Runs the element update `f(g, w, s)` over the elements of work item `item` that lane `lane` of `lanes` owns: g is
-/// grad_scale * grad[i], w the master weight and s[k] state k's value, all in registers; f updates w and s[0 ..
+/// *grad_scale * grad[i], w the master weight and s[k] state k's value, all in registers; f updates w and s[0 ..
 /// States). Then w goes to master[i] and, cast, to param[i] (not written separately for fp32 parameters whose param is
 /// the master), and s[k] to state[k][i].
 ///
@@ -92,7 +94,7 @@ TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, u
   const G* TANDEM_RESTRICT grad = a.grad + begin;
   float* TANDEM_RESTRICT state0 = States > 0 ? a.state[0] + begin : nullptr;
   float* TANDEM_RESTRICT state1 = States > 1 ? a.state[1] + begin : nullptr;
-  const float scale = a.grad_scale;
+  const float scale = *a.grad_scale;
 
   // one element; own is std::true_type where param is written apart from the master
   auto one = [&](std::size_t i, auto own) {
@@ -163,11 +165,51 @@ TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, u
   for (std::size_t i = tail + lane; i < n; i += lanes) scalar(i);
 }
 
+/// The global gradient norm from its square's sum over ranks (before the averaging of owned fp32 storage: `average`).
+TANDEM_HD inline double grad_norm(double sum_of_squares, float average) {
+  return mul_rn(sqrt_rn(sum_of_squares), double{average});
+}
+
+/// The factor clipping scales the gradients by (torch.nn.utils.clip_grad_norm_'s rule: max_norm / (norm + 1e-6), at
+/// most 1); 1 where the norm is not finite.
+TANDEM_HD inline float clip_coefficient(double norm, float max_grad_norm) {
+  if (!finite(norm)) return 1.0f;
+  const double q = div_rn(double{max_grad_norm}, norm + 1e-6);
+  return static_cast<float>(q < 1.0 ? q : 1.0);
+}
+
+/// An optimizer step's scalars, made in backend memory on the stream (one item, lane 0), where the update bodies read
+/// them: the step count advances by one; the gradients' factor *grad_scale becomes average times the clip coefficient
+/// of the squared norm *sum_of_squares (1 where sum_of_squares is null: no clipping); and each group's Scalars come
+/// from its options and the new count, by the same operations as on the host (Opt::scalars is host+device code).
+template <class Opt>
+struct PrepareStepBody {
+  std::uint64_t* step = nullptr;
+  float* grad_scale = nullptr;
+  const typename Opt::Options* options = nullptr;
+  typename Opt::Scalars* scalars = nullptr;
+  std::size_t groups = 0;
+  const double* sum_of_squares = nullptr;
+  float average = 1.0f;
+  float max_grad_norm = 0.0f;
+
+  TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
+    if (lane != 0) return;
+    const std::uint64_t t = *step + 1;
+    *step = t;
+    const float clip =
+        sum_of_squares != nullptr ? clip_coefficient(grad_norm(*sum_of_squares, average), max_grad_norm) : 1.0f;
+    *grad_scale = mul_rn(average, clip);
+    for (std::size_t g = 0; g < groups; ++g) scalars[g] = Opt::scalars(options[g], t);
+  }
+};
+
 }  // namespace detail
 
-/// An optimizer type: its options, how much fp32 state it keeps per element, a validation of its options,
-/// the per-step scalars computed on the host, and a body templated on the parameter type and the gradient type
-/// (Body<P, G = float>, over UpdateArgs<P, G>).
+/// An optimizer type: its options (trivially copyable: a DataParallel keeps them in backend memory), how much fp32
+/// state it keeps per element, a validation of its options, the per-step scalars (host+device code, TANDEM_HD: a
+/// DataParallel computes them on its backend from the step count it keeps there) and a body templated on the parameter
+/// type and the gradient type (Body<P, G = float>{UpdateArgs<P, G>, const Scalars*}, the scalars in backend memory).
 template <class O>
 concept Optimizer = requires(const typename O::Options& options, std::uint64_t step) {
   { O::name } -> std::convertible_to<const char*>;
@@ -178,6 +220,7 @@ concept Optimizer = requires(const typename O::Options& options, std::uint64_t s
   typename O::template Body<float>;
   typename O::template Body<float, BFloat16>;  // a 16-bit reduced shard (DataParallelOptions::reduce_dtype)
   { O::elementwise } -> std::convertible_to<bool>;
+  requires std::is_trivially_copyable_v<typename O::Options> && std::is_trivially_copyable_v<typename O::Scalars>;
 };
 
 }  // namespace tandem

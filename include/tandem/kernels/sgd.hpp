@@ -68,18 +68,18 @@ struct SGD {
     bool has_momentum;
   };
 
-  static Scalars scalars(const Options& o, std::uint64_t t) {
+  TANDEM_HD static Scalars scalars(const Options& o, std::uint64_t t) {
     return {o.lr, o.momentum, o.dampening, o.weight_decay, t == 1, o.nesterov == Nesterov::on, o.momentum != 0.0f};
   }
 
   template <class P, class G = float>
   struct Body {
     UpdateArgs<P, G> a;
-    Scalars s;
+    const Scalars* s;  ///< in backend memory
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
       // the state count is the same for every item: one branch per item, none per element
-      const Scalars c = s;  // a local copy: no store to the arrays can change it, so it stays in registers
+      const Scalars c = *s;  // a local copy: no store to the arrays can change it, so it stays in registers
       auto f = [c](float g, float& w, float(&b)[1]) { element(c, g, w, b); };
       if (c.has_momentum)
         detail::update_item<1>(a, item, lane, lanes, f);

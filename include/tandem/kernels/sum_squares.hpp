@@ -60,12 +60,15 @@ struct OrderedSumBody {
   }
 };
 
-/// Stores the values it was launched with: out[k] = values[k] for k < count (at most 4). Host values reach backend
+/// Stores the values it was launched with: out[k] = values[k] for k < count (at most K). Host values reach backend
 /// memory in stream order this way without a host buffer that must outlive the copy (the optimizer step's options
-/// check, whose all-reduce may throw before a queued copy ran). One item; lane 0 stores.
+/// check, whose all-reduce may throw before a queued copy ran; the optimizer options of a step). One item; lane 0
+/// stores.
+template <class T, std::size_t K>
 struct StoreValuesBody {
-  double* out = nullptr;
-  double values[4] = {};
+  static constexpr std::size_t capacity = K;
+  T* out = nullptr;
+  T values[K] = {};
   std::size_t count = 0;
 
   TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {

@@ -26,7 +26,7 @@ struct UpdateRange {
   const void* grad = nullptr;  ///< the reduced gradients, in G
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
-  float grad_scale = 1.0f;
+  const float* grad_scale = nullptr;  ///< in backend memory (StepControl)
 };
 
 template <class Opt, class Backend>
@@ -46,8 +46,8 @@ struct BucketKernels {
                               Stream) = nullptr;
   /// n reduced gradients (R) into the reduced-gradient store (G): assigned or added (fp32), or copied (G == R).
   void (*land)(const Backend&, const void* reduced, void* store, std::size_t n, WriteMode, Stream) = nullptr;
-  /// The optimizer over one range (T parameters, G gradients).
-  void (*update)(const Backend&, const UpdateRange&, const Scalars&, Stream) = nullptr;
+  /// The optimizer over one range (T parameters, G gradients), its scalars in backend memory.
+  void (*update)(const Backend&, const UpdateRange&, const Scalars*, Stream) = nullptr;
   /// *out = the sum of squares of n reduced gradients (G), in the fixed chunking of kernels/sum_squares.hpp.
   void (*sum_squares)(const Backend&, const void* grads, std::size_t n, double* out, Stream) = nullptr;
 
@@ -129,7 +129,7 @@ struct BucketKernels {
     }
   }
   template <class T, class G>
-  static void update_as(const Backend& be, const UpdateRange& r, const Scalars& scalars, Stream s) {
+  static void update_as(const Backend& be, const UpdateRange& r, const Scalars* scalars, Stream s) {
     UpdateArgs<T, G> a;
     a.param = static_cast<T*>(r.param);
     a.master = r.master;

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "tandem/core/config.hpp"
 
@@ -72,6 +73,25 @@ TANDEM_HD inline float sqrt_rn(float a) {
 #else
   return std::sqrt(a);
 #endif
+}
+
+TANDEM_HD inline double sqrt_rn(double a) {
+#if TANDEM_IN_DEVICE_CODE
+  return __dsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+/// x^t for an integer t, by squaring: the same products, each rounded on its own, on host and device (the math
+/// library's pow is not correctly rounded on the device, so it could differ from the host's in the last bit).
+TANDEM_HD inline double pow_rn(double x, std::uint64_t t) {
+  double result = 1.0;
+  for (; t != 0; t >>= 1) {
+    if (t & 1u) result = mul_rn(result, x);
+    if (t > 1) x = mul_rn(x, x);
+  }
+  return result;
 }
 
 }  // namespace tandem::detail

@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+// StepControl: what an optimizer step's update reads besides the arrays, kept in backend memory and made on the work
+// stream. The step count lives there and advances there; each step stores the groups' options, and PrepareStepBody
+// (kernels/optimizer.hpp) turns them, the new count and the reduced squared norm into each group's Scalars and the
+// gradients' factor, which the update bodies read by pointer. So the values an update uses follow the stream's order,
+// not the host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step
+// scalars").
+//
+//   step         uint64          optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
+//                                step advance this one only)
+//   grad_scale   fp32            the gradients' factor of the current step: averaging x clip coefficient
+//   options[g]   Opt::Options    group g's options, as the current step stored them
+//   scalars[g]   Opt::Scalars    group g's per-step scalars of the current step
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "tandem/backend/allocate.hpp"
+#include "tandem/core/stream.hpp"
+#include "tandem/kernels/optimizer.hpp"
+#include "tandem/kernels/sum_squares.hpp"
+
+namespace tandem::detail {
+
+template <class Opt, class Backend>
+class StepControl {
+  template <class T>
+  using Buffer = typename Backend::template Buffer<T>;
+  using Options = typename Opt::Options;
+  using Scalars = typename Opt::Scalars;
+  /// The launch that stores options, 8 at a time (a literal: see boundary_scalars in data_parallel.hpp).
+  using OptionsStore = StoreValuesBody<Options, 8>;
+  static constexpr std::size_t options_per_store = OptionsStore::capacity;
+
+ public:
+  StepControl() = default;
+
+  /// Room for `groups` optimizer groups, and the step count set to `step` on stream s.
+  StepControl(const Backend& backend, std::size_t groups, std::uint64_t step, Stream s)
+      : step_(allocate_named<std::uint64_t>(backend, 1, "the optimizer step count")),
+        grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")) {
+    reserve_groups(backend, groups);
+    set_step(backend, step, s);
+  }
+
+  /// Room for `groups` optimizer groups (set_optimizer_groups; nothing is allocated where there is room already).
+  void reserve_groups(const Backend& backend, std::size_t groups) {
+    if (groups <= options_.size()) return;
+    options_ = allocate_named<Options>(backend, groups, "the optimizer groups' options");
+    scalars_ = allocate_named<Scalars>(backend, groups, "the optimizer groups' step scalars");
+  }
+
+  /// The step count becomes `step` in stream order (construction, a checkpoint's load).
+  void set_step(const Backend& backend, std::uint64_t step, Stream s) {
+    backend.launch(1, StoreValuesBody<std::uint64_t, 1>{.out = step_.data(), .values = {step}, .count = 1}, s);
+  }
+
+  /// One optimizer step's scalars, on stream s: the groups' options are stored, then PrepareStepBody advances the step
+  /// count and computes each group's Scalars and the gradients' factor `average` x the clip coefficient of the squared
+  /// norm *sum_of_squares (backend memory; null: no clipping) against max_grad_norm.
+  void prepare(const Backend& backend, std::span<const Options> groups, const double* sum_of_squares, float average,
+               float max_grad_norm, Stream s) {
+    if (groups.size() > options_.size()) fail("tandem: internal error: more optimizer groups than StepControl holds");
+    for (std::size_t g = 0; g < groups.size(); g += options_per_store) {
+      OptionsStore store{.out = options_.data() + g};
+      for (; store.count < options_per_store && g + store.count < groups.size(); ++store.count)
+        store.values[store.count] = groups[g + store.count];
+      backend.launch(1, store, s);
+    }
+    backend.launch(1,
+                   PrepareStepBody<Opt>{.step = step_.data(),
+                                        .grad_scale = grad_scale_.data(),
+                                        .options = options_.data(),
+                                        .scalars = scalars_.data(),
+                                        .groups = groups.size(),
+                                        .sum_of_squares = sum_of_squares,
+                                        .average = average,
+                                        .max_grad_norm = max_grad_norm},
+                   s);
+  }
+
+  /// The step count, read back (waits for stream s).
+  std::uint64_t step(const Backend& backend, Stream s) const {
+    std::uint64_t step = 0;
+    backend.read(&step, step_.data(), sizeof step, s);
+    return step;
+  }
+
+  /// Group g's Scalars and the gradients' factor of the step prepare() made (backend memory).
+  const Scalars* scalars(std::size_t g) const { return scalars_.data() + g; }
+  const float* grad_scale() const { return grad_scale_.data(); }
+
+ private:
+  Buffer<std::uint64_t> step_;
+  Buffer<float> grad_scale_;
+  Buffer<Options> options_;
+  Buffer<Scalars> scalars_;
+};
+
+}  // namespace tandem::detail
