@@ -854,11 +854,11 @@ class DataParallel {
           detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
                        std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
       for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, "set_optimizer_groups");
+      control_.reserve_groups(backend_, groups.size());  // room for the groups' scalars; every rank learns a failure
     } catch (const std::exception& e) {
       problem = e.what();
     }
     all_ranks_succeed(problem);
-    control_.reserve_groups(backend_, groups.size());  // before the swap: nothing changes if it fails
     std::swap(groups_, groups);
     std::swap(group_of_, group_of);
     const std::uint64_t mine = optimizer_fingerprint();
