@@ -407,12 +407,14 @@ struct QuadraticGradient {
 
 }  // namespace graph_test
 
-TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bits of eager steps", P,
-                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bits of eager steps, an lr schedule too",
+                   P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
   // One rank without clipping: step() makes no host read (docs/cuda.md, "Step scalars"). The backward is captured
-  // with it, so each replay is a whole training step; each must use its own step count's bias corrections.
+  // with it, so each replay is a whole training step; each must use its own step count's bias corrections, and the lr
+  // of a schedule stored before it (store_optimizer_options).
   constexpr std::size_t n = 70001;
   constexpr int steps = 6;
+  auto lr = [](int s) { return 1e-2f / static_cast<float>(1 + s); };
   std::vector<float> w0(n), target(n);
   for (std::size_t i = 0; i < n; ++i) {
     w0[i] = 0.01f * static_cast<float>(i % 97);
@@ -428,7 +430,7 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
       TANDEM_CUDA_CHECK(cudaMemset(g.p, 0, n * sizeof(float)));
       {
         tandem::DataParallel<P, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-            comm, {{"w", w.p, g.p, n}}, {.lr = 1e-2f}, {.bucket_cap_bytes = 65536, .stream = tandem::Stream{user}});
+            comm, {{"w", w.p, g.p, n}}, {.lr = lr(0)}, {.bucket_cap_bytes = 65536, .stream = tandem::Stream{user}});
         dp.broadcast_parameters();
         const tandem::CudaBackend launcher;
         auto optimizer_step = [&] {
@@ -438,15 +440,24 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
         };
         optimizer_step();  // a warm-up step first, as usual before a capture
         if (!captured) {
-          for (int s = 1; s < steps; ++s) optimizer_step();
+          for (int s = 1; s < steps; ++s) {
+            dp.optimizer_options().lr = lr(s);
+            optimizer_step();
+          }
         } else {
           cudaGraph_t graph = nullptr;
           cudaGraphExec_t exec = nullptr;
+          dp.optimizer_options().lr = lr(1);
+          dp.store_optimizer_options();  // before the capture: the captured step stores nothing
           TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
           optimizer_step();
           TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &graph));
           TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-          for (int s = 1; s < steps; ++s) TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+          for (int s = 1; s < steps; ++s) {
+            dp.optimizer_options().lr = lr(s);
+            dp.store_optimizer_options();
+            TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+          }
           TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
           TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
           TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));

@@ -400,6 +400,18 @@ struct QuadraticGradient {
   }
 };
 
+/// The quadratic loss's parameters at the start, its gradients' buffer and its target, for n elements.
+struct QuadraticProblem {
+  std::vector<float> w, g, target;
+  explicit QuadraticProblem(std::size_t n) : w(n), g(n, 0.0f), target(n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      w[i] = 0.01f * static_cast<float>(i % 97);
+      target[i] = 0.5f - 0.002f * static_cast<float>(i % 89);
+    }
+  }
+  QuadraticGradient gradient() { return {g.data(), w.data(), target.data(), w.size()}; }
+};
+
 }  // namespace
 
 TEST_CASE_TEMPLATE(
@@ -455,11 +467,8 @@ TEST_CASE_TEMPLATE(
   for (const int accumulation : {1, 2}) {
     CAPTURE(accumulation);
     auto train = [&](bool captured) {
-      std::vector<float> w(n), g(n, 0.0f), target(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        w[i] = 0.01f * static_cast<float>(i % 97);
-        target[i] = 0.5f - 0.002f * static_cast<float>(i % 89);
-      }
+      QuadraticProblem problem(n);
+      std::vector<float>& w = problem.w;
       std::uint64_t saved_steps = 0;
       const std::string dir = test::temp_path(captured ? "captured_step" : "eager_step");
       tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
@@ -467,14 +476,14 @@ TEST_CASE_TEMPLATE(
         WaitCountingBackend backend;
         const std::shared_ptr<HostWaits> waits = backend.waits;
         tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(
-            comm, {{"w", w.data(), g.data(), n}}, {.lr = 1e-2f},
+            comm, {{"w", w.data(), problem.g.data(), n}}, {.lr = 1e-2f},
             {.bucket_cap_bytes = 4096, .accumulation_steps = accumulation, .stream = user.stream()},
             std::move(backend));
         dp.broadcast_parameters();
         const tandem::StreamHostBackend launcher;
         auto optimizer_step = [&] {  // accumulation micro-steps, each a backward on the user's stream and a step()
           for (int k = 0; k < accumulation; ++k) {
-            launcher.launch(1, QuadraticGradient{g.data(), w.data(), target.data(), n}, user.stream());
+            launcher.launch(1, problem.gradient(), user.stream());
             dp.step();
           }
         };
@@ -504,5 +513,75 @@ TEST_CASE_TEMPLATE(
     CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
     CHECK(eager != std::vector<float>(n, 0.0f));
   }
+}
+
+TEST_CASE_TEMPLATE(
+    "a learning-rate schedule over replays of a captured step: store_optimizer_options() before each replay gives "
+    "the bits of eager steps",
+    Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // A step whose options did not change since the last store captures no store of its own, so each replay reads the
+  // options stored before it. Without the stores the replays keep the capture's lr, and the bits differ (the check that
+  // this test can fail).
+  constexpr std::size_t n = 3000;
+  constexpr int steps = 6;
+  auto lr = [](int s) { return 1e-2f / static_cast<float>(1 + s); };
+  enum class Run { eager, replayed, replayed_without_stores };
+  auto train = [&](Run run) {
+    QuadraticProblem problem(n);
+    std::vector<float>& w = problem.w;
+    tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+      tandem::HostStream user;
+      WaitCountingBackend backend;
+      const std::shared_ptr<HostWaits> waits = backend.waits;
+      tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(
+          comm, {{"w", w.data(), problem.g.data(), n}}, {.lr = lr(0)},
+          {.bucket_cap_bytes = 4096, .stream = user.stream()}, std::move(backend));
+      dp.broadcast_parameters();
+      const tandem::StreamHostBackend launcher;
+      auto optimizer_step = [&] {
+        launcher.launch(1, problem.gradient(), user.stream());
+        dp.step();
+      };
+      optimizer_step();  // step 0, eager in every run
+      if (run == Run::eager) {
+        for (int s = 1; s < steps; ++s) {
+          dp.optimizer_options().lr = lr(s);
+          optimizer_step();
+        }
+      } else {
+        const int reads = waits->reads, synchronizes = waits->synchronizes, allocations = waits->allocations;
+        dp.optimizer_options().lr = lr(1);
+        dp.store_optimizer_options();  // before the capture: the captured step stores nothing
+        user.begin_capture();
+        optimizer_step();
+        const tandem::HostGraph graph = user.end_capture();
+        for (int s = 1; s < steps; ++s) {
+          if (run == Run::replayed) {
+            dp.optimizer_options().lr = lr(s);
+            dp.store_optimizer_options();
+          }
+          graph.replay();
+        }
+        CHECK(waits->reads == reads);  // neither the stores nor the capture wait for the streams
+        CHECK(waits->synchronizes == synchronizes);
+        CHECK(waits->allocations == allocations);
+      }
+      user.synchronize();
+    });
+    return w;
+  };
+  const std::vector<float> eager = train(Run::eager), replayed = train(Run::replayed),
+                           stale = train(Run::replayed_without_stores);
+  CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(eager.data(), stale.data(), n * sizeof(float)) != 0);
+}
+
+TEST_CASE("store_optimizer_options() validates the options it stores") {
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    std::vector<float> w(64, 1.0f), g(64, 0.0f);
+    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, {{"w", w.data(), g.data(), w.size()}});
+    dp.optimizer_options().lr = -1.0f;
+    CHECK_THROWS_WITH_AS(dp.store_optimizer_options(), doctest::Contains("lr"), tandem::error);
+  });
 }
 #endif

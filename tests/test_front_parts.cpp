@@ -289,9 +289,30 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   CHECK(got[0].first_step);
   CHECK(got[1].first_step);
   CHECK(scale == 0.25f);
+  // options changed between steps are stored by the next step (only changed ones are: a step with the options of the
+  // last store launches none), and store_options stores them at once
+  groups[1].lr = 0.75f;
+  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
+  CHECK(got[0].lr == 0.1f);
+  CHECK(got[1].lr == 0.75f);
+  groups[0].lr = 0.5f;
+  control.store_options(be, groups, s);
+  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
+  CHECK(got[0].lr == 0.5f);
+  CHECK(got[1].lr == 0.75f);
   groups.resize(12);
   CHECK_THROWS_WITH_AS(control.prepare(be, groups, nullptr, 1.0f, 0.0f, s), doctest::Contains("more optimizer groups"),
                        tandem::error);
+  // room for more groups is a new buffer (set_optimizer_groups, even one that then fails and keeps the old groups):
+  // the next step stores the options again, although they did not change
+  groups.resize(2);
+  control.reserve_groups(be, 20);
+  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
+  CHECK(got[0].lr == 0.5f);
+  CHECK(got[1].lr == 0.75f);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

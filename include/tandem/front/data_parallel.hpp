@@ -829,6 +829,18 @@ class DataParallel {
   }
   std::size_t optimizer_group_count() const { return groups_.size(); }
 
+  /// Makes the optimizer options as they are now (every group's) those the next update uses, in the order of the
+  /// user's stream. step() does it itself whenever they changed since; a step replayed from a captured graph runs no
+  /// host code, so between replays change them and call this: a learning-rate schedule over replays (docs/cuda.md,
+  /// "Capturing a step"). Validates them as step() does. Local: no collective, no host wait.
+  void store_optimizer_options() {
+    if (!live_.yes) detail::fail("tandem: store_optimizer_options() on a DataParallel that has been moved from");
+    for (std::size_t g = 0; g < groups_.size(); ++g) check_group(groups_[g], g, "store_optimizer_options()");
+    StreamScope scope(*this, Exit::leave);
+    control_.store_options(backend_, groups_, work_stream());
+    scope.leave();
+  }
+
   /// Per-tensor optimizer options, as torch's parameter groups: tensor i is updated with groups[group_of[i]] (no
   /// weight decay for biases and norms, say). groups[0] replaces optimizer_options(). A collective call, on every rank
   /// with the same groups and assignment, between steps (it applies from the next update, also inside an

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // StepControl: what an optimizer step's update reads besides the arrays, kept in backend memory and made on the work
-// stream. The step count lives there and advances there; each step stores the groups' options, and PrepareStepBody
+// stream. The step count lives there and advances there; a step stores the groups' options where they changed since
+// the last store (the host keeps a copy of what it last stored: the options the update reads), and PrepareStepBody
 // (kernels/optimizer.hpp) turns them, the new count and the reduced squared norm into each group's Scalars and the
 // gradients' factor, which the update bodies read by pointer. So the values an update uses follow the stream's order,
 // not the host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step
@@ -9,13 +10,15 @@
 //   step         uint64          optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
 //                                step advance this one only)
 //   grad_scale   fp32            the gradients' factor of the current step: averaging x clip coefficient
-//   options[g]   Opt::Options    group g's options, as the current step stored them
+//   options[g]   Opt::Options    group g's options, as last stored (by a step, or by store_options)
 //   scalars[g]   Opt::Scalars    group g's per-step scalars of the current step
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
+#include <vector>
 
 #include "tandem/backend/allocate.hpp"
 #include "tandem/core/stream.hpp"
@@ -50,6 +53,7 @@ class StepControl {
     if (groups <= options_.size()) return;
     options_ = allocate_named<Options>(backend, groups, "the optimizer groups' options");
     scalars_ = allocate_named<Scalars>(backend, groups, "the optimizer groups' step scalars");
+    stored_.clear();  // the new buffer holds none: the next step stores them
   }
 
   /// The step count becomes `step` in stream order (construction, a checkpoint's load).
@@ -57,11 +61,8 @@ class StepControl {
     backend.launch(1, StoreValuesBody<std::uint64_t, 1>{.out = step_.data(), .values = {step}, .count = 1}, s);
   }
 
-  /// One optimizer step's scalars, on stream s: the groups' options are stored, then PrepareStepBody advances the step
-  /// count and computes each group's Scalars and the gradients' factor `average` x the clip coefficient of the squared
-  /// norm *sum_of_squares (backend memory; null: no clipping) against max_grad_norm.
-  void prepare(const Backend& backend, std::span<const Options> groups, const double* sum_of_squares, float average,
-               float max_grad_norm, Stream s) {
+  /// The groups' options become those the updates read, in the order of stream s (launches of 8 options each).
+  void store_options(const Backend& backend, std::span<const Options> groups, Stream s) {
     if (groups.size() > options_.size()) fail("tandem: internal error: more optimizer groups than StepControl holds");
     for (std::size_t g = 0; g < groups.size(); g += options_per_store) {
       OptionsStore store{.out = options_.data() + g};
@@ -69,6 +70,19 @@ class StepControl {
         store.values[store.count] = groups[g + store.count];
       backend.launch(1, store, s);
     }
+    stored_.assign(groups.begin(), groups.end());
+  }
+
+  /// One optimizer step's scalars, on stream s: the groups' options are stored where they differ from the last ones
+  /// stored (bytewise), then PrepareStepBody advances the step count and computes each group's Scalars and the
+  /// gradients' factor `average` x the clip coefficient of the squared norm *sum_of_squares (backend memory; null: no
+  /// clipping) against max_grad_norm. A step whose options did not change launches no store: captured, it reads the
+  /// options that store_options() last stored before each replay.
+  void prepare(const Backend& backend, std::span<const Options> groups, const double* sum_of_squares, float average,
+               float max_grad_norm, Stream s) {
+    if (groups.size() != stored_.size() ||
+        std::memcmp(groups.data(), stored_.data(), groups.size() * sizeof(Options)) != 0)
+      store_options(backend, groups, s);
     backend.launch(1,
                    PrepareStepBody<Opt>{.step = step_.data(),
                                         .grad_scale = grad_scale_.data(),
@@ -97,6 +111,7 @@ class StepControl {
   Buffer<float> grad_scale_;
   Buffer<Options> options_;
   Buffer<Scalars> scalars_;
+  std::vector<Options> stored_;  ///< the options last stored into options_, in stream order (host memory)
 };
 
 }  // namespace tandem::detail
