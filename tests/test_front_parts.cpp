@@ -289,8 +289,8 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   CHECK(got[0].first_step);
   CHECK(got[1].first_step);
   CHECK(scale == 0.25f);
-  // options changed between steps are stored by the next step (only changed ones are: a step with the options of the
-  // last store launches none), and store_options stores them at once
+  // options changed between steps are stored by the next step, and so are those given to store_options (that a step
+  // with the options of the last store launches no store is tested through a captured step in test_data_parallel)
   groups[1].lr = 0.75f;
   control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
