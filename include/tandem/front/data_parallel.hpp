@@ -835,7 +835,7 @@ class DataParallel {
   /// "Capturing a step"). Validates them as step() does. Local: no collective, no host wait.
   void store_optimizer_options() {
     if (!live_.yes) detail::fail("tandem: store_optimizer_options() on a DataParallel that has been moved from");
-    for (std::size_t g = 0; g < groups_.size(); ++g) check_group(groups_[g], g, "store_optimizer_options()");
+    check_groups("store_optimizer_options()");
     StreamScope scope(*this, Exit::leave);
     control_.store_options(backend_, groups_, work_stream());
     scope.leave();
@@ -940,8 +940,7 @@ class DataParallel {
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
                    "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
-    for (std::size_t g = 0; g < groups_.size(); ++g)  // the options may have been changed through optimizer_options()
-      check_group(groups_[g], g, what);
+    check_groups(what);
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
                    (state_.param_flat() == nullptr
@@ -1516,6 +1515,11 @@ class DataParallel {
   }
 
   /// Throws tandem::error if group g's options are invalid or need more state buffers than were allocated.
+  /// Every group's options as they are now (they may have been changed through optimizer_options()).
+  void check_groups(const std::string& what) const {
+    for (std::size_t g = 0; g < groups_.size(); ++g) check_group(groups_[g], g, what);
+  }
+
   void check_group(const OptimizerOptions& options, std::size_t g, const std::string& what) const {
     try {
       Opt::validate(options);
