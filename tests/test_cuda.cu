@@ -18,12 +18,14 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -335,9 +337,10 @@ TEST_CASE_TEMPLATE("CUDA optimizer updates are bitwise equal to the host", Opt, 
   d_step.upload(&h_step, 1), d_options.upload(&o, 1), d_sum.upload(&sum_of_squares, 1);
   for (std::uint64_t t = 1; t <= 3; ++t) {
     tandem::HostBackend{}.launch(
-        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, &sum_of_squares, 0.5f, 10.0f});
+        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, {&sum_of_squares, 0.5f, 10.0f}});
     cuda.launch(
-        1, tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, d_sum.p, 0.5f, 10.0f},
+        1,
+        tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, {d_sum.p, 0.5f, 10.0f}},
         cuda.stream());
     tandem::UpdateArgs<float> h{w.data(), w.data(), g.data(), {s0.data(), s1.data()}, n, &h_scale};
     tandem::UpdateArgs<float> d{dw.p, dw.p, dg.p, {ds0.p, ds1.p}, n, d_scale.p};
@@ -353,8 +356,10 @@ TEST_CASE_TEMPLATE("CUDA optimizer updates are bitwise equal to the host", Opt, 
   CHECK(h_scale < 0.5f);  // clipped: norm sqrt(1234.5) * 0.5 against 10
 }
 
-TEST_CASE_TEMPLATE("CUDA step scalars are bitwise the host's at any step count", Opt, tandem::AdamW, tandem::SGD) {
-  // Bias corrections beta^t by squaring (detail::pow_rn) and the clip coefficient, at step counts up to 2^40.
+TEST_CASE_TEMPLATE("CUDA step scalars and verdicts are bitwise the host's at any step count", Opt, tandem::AdamW,
+                   tandem::SGD) {
+  // Bias corrections beta^t by squaring (detail::pow_rn), the clip coefficient and the verdict (options that differ, a
+  // non-finite norm), at step counts up to 2^40.
   typename Opt::Options o;
   if constexpr (std::is_same_v<Opt, tandem::AdamW>) o.beta2 = 0.99999f;
   using Scalars = typename Opt::Scalars;
@@ -364,27 +369,64 @@ TEST_CASE_TEMPLATE("CUDA step scalars are bitwise the host's at any step count",
   Device<typename Opt::Options> d_options(1);
   Device<Scalars> d_scalars(1);
   Device<double> d_sum(1);
+  Device<double> d_lanes(tandem::detail::WordAgreement::lanes);
+  Device<std::uint32_t> d_skip(1);
+  Device<tandem::detail::StepRecord> d_record(1);
   d_options.upload(&o, 1);
+  // the lanes of two ranks' fingerprints that differ in one bit (verdict options_differ)
+  std::array<double, tandem::detail::WordAgreement::lanes> differ{};
+  for (const std::uint64_t w : {std::uint64_t{0x0123456789abcdef}, std::uint64_t{0x0123456789abcdee}}) {
+    const auto mine = tandem::detail::WordAgreement::encode(w, 2);
+    for (std::size_t l = 0; l < differ.size(); ++l) differ[l] += mine[l];
+  }
+  d_lanes.upload(differ.data(), differ.size());
   std::mt19937_64 rng(11);
   for (int k = 0; k < 200; ++k) {
     const std::uint64_t before = k < 100 ? static_cast<std::uint64_t>(k) : rng() >> (24 + k % 40);
-    const double sum_of_squares = std::ldexp(static_cast<double>(rng() >> 11), -40 + k % 60);
+    // every 7th step a non-finite norm, every 11th disagreeing options: the verdicts that skip
+    const double sum_of_squares = k % 7 == 3 ? std::numeric_limits<double>::infinity()
+                                             : std::ldexp(static_cast<double>(rng() >> 11), -40 + k % 60);
+    const bool differ_here = k % 11 == 5;
     CAPTURE(before);
     CAPTURE(sum_of_squares);
+    CAPTURE(differ_here);
     std::uint64_t h_step = before;
     float h_scale = 0.0f;
     Scalars h_scalars{};
+    std::uint32_t h_skip = 7;
+    tandem::detail::StepRecord h_record{};
+    const tandem::detail::StepChecks h_checks{.sum_of_squares = &sum_of_squares,
+                                              .average = 0.25f,
+                                              .max_grad_norm = 1.0f,
+                                              .lanes = differ_here ? differ.data() : nullptr,
+                                              .world = 2,
+                                              .skip_non_finite = true};
+    tandem::detail::StepChecks d_checks = h_checks;
+    d_checks.sum_of_squares = d_sum.p;
+    d_checks.lanes = differ_here ? d_lanes.p : nullptr;
     tandem::HostBackend{}.launch(
-        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, &sum_of_squares, 0.25f, 1.0f});
+        1, tandem::detail::PrepareStepBody<Opt>{&h_step, &h_scale, &o, &h_scalars, 1, h_checks, &h_skip, &h_record});
     d_step.upload(&before, 1), d_sum.upload(&sum_of_squares, 1);
-    cuda.launch(
-        1, tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, d_sum.p, 0.25f, 1.0f},
-        cuda.stream());
+    cuda.launch(1,
+                tandem::detail::PrepareStepBody<Opt>{d_step.p, d_scale.p, d_options.p, d_scalars.p, 1, d_checks,
+                                                     d_skip.p, d_record.p},
+                cuda.stream());
     cuda.synchronize(cuda.stream());
     std::uint64_t step = 0;
     float scale = 0.0f;
     Scalars scalars{};
+    std::uint32_t skip = 9;
+    tandem::detail::StepRecord record{};
     d_step.download(&step, 1), d_scale.download(&scale, 1), d_scalars.download(&scalars, 1);
+    d_skip.download(&skip, 1), d_record.download(&record, 1);
+    CHECK(std::memcmp(&record, &h_record, sizeof record) == 0);
+    CHECK(skip == h_skip);
+    CHECK(step == h_step);
+    if (h_record.verdict != tandem::detail::StepVerdict::update) {
+      CHECK(skip == 1);
+      CHECK(step == before);
+      continue;  // the factor and the scalars are not written
+    }
     CHECK(step == before + 1);
     CHECK(std::memcmp(&scale, &h_scale, sizeof scale) == 0);
     CHECK(std::memcmp(&scalars, &h_scalars, sizeof scalars) == 0);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,6 +32,7 @@
 #include "tandem/front/detail/validation.hpp"
 #include "tandem/front/estimate.hpp"
 #include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/detail/word_agreement.hpp"
 #include "tandem/kernels/sgd.hpp"
 #include "tandem/policy/gradient_sharded.hpp"
 #include "tandem/policy/optimizer_sharded.hpp"
@@ -268,7 +270,12 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   const std::vector<double> squares(1, 100.0);  // norm 10 * 0.5 = 5 against a maximum of 1
   const tandem::StreamHostBackend::Buffer<double> sum = be.allocate<double>(1);
   be.copy(sum.data(), squares.data(), sizeof(double), s);
-  control.prepare(be, groups, sum.data(), 0.5f, 1.0f, s);
+  control.prepare(be, groups, {.sum_of_squares = sum.data(), .average = 0.5f, .max_grad_norm = 1.0f}, s);
+  const tandem::detail::StepRecord record = control.record(be, s);
+  CHECK(record.verdict == tandem::detail::StepVerdict::update);
+  CHECK(record.step == 8);
+  CHECK(record.grad_norm == 5.0);
+  CHECK(record.clip_coefficient == tandem::detail::clip_coefficient(5.0, 1.0f));
   std::vector<tandem::SGD::Scalars> got(11);
   float scale = 0.0f;
   be.read(got.data(), control.scalars(0), got.size() * sizeof(tandem::SGD::Scalars), s);
@@ -283,7 +290,7 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   // the count set again (a checkpoint's load at step 0): the next step is the first
   control.set_step(be, 0, s);
   groups.resize(2);
-  control.prepare(be, groups, nullptr, 0.25f, 0.0f, s);
+  control.prepare(be, groups, {.average = 0.25f}, s);
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   be.read(&scale, control.grad_scale(), sizeof scale, s);
   CHECK(got[0].first_step);
@@ -292,27 +299,40 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   // options changed between steps are stored by the next step, and so are those given to store_options (that a step
   // with the options of the last store launches no store is tested through a captured step in test_data_parallel)
   groups[1].lr = 0.75f;
-  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  control.prepare(be, groups, {}, s);
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.1f);
   CHECK(got[1].lr == 0.75f);
   groups[0].lr = 0.5f;
   control.store_options(be, groups, s);
-  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  control.prepare(be, groups, {}, s);
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.5f);
   CHECK(got[1].lr == 0.75f);
   groups.resize(12);
-  CHECK_THROWS_WITH_AS(control.prepare(be, groups, nullptr, 1.0f, 0.0f, s), doctest::Contains("more optimizer groups"),
-                       tandem::error);
+  CHECK_THROWS_WITH_AS(control.prepare(be, groups, {}, s), doctest::Contains("more optimizer groups"), tandem::error);
   // room for more groups is a new buffer (set_optimizer_groups, even one that then fails and keeps the old groups):
   // the next step stores the options again, although they did not change
   groups.resize(2);
   control.reserve_groups(be, 20);
-  control.prepare(be, groups, nullptr, 1.0f, 0.0f, s);
+  control.prepare(be, groups, {}, s);
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.5f);
   CHECK(got[1].lr == 0.75f);
+  // a non-finite norm where it skips: the count stays and the skip word, which the updates read, is set
+  const double inf = std::numeric_limits<double>::infinity();
+  be.copy(sum.data(), &inf, sizeof inf, s);
+  const std::uint64_t at = control.step(be, s);
+  control.prepare(be, groups, {.sum_of_squares = sum.data(), .skip_non_finite = true}, s);
+  std::uint32_t skip = 0;
+  be.read(&skip, control.skip(), sizeof skip, s);
+  CHECK(skip == 1);
+  CHECK(control.step(be, s) == at);
+  CHECK(control.record(be, s).verdict == tandem::detail::StepVerdict::non_finite);
+  control.prepare(be, groups, {}, s);
+  be.read(&skip, control.skip(), sizeof skip, s);
+  CHECK(skip == 0);
+  CHECK(control.step(be, s) == at + 1);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

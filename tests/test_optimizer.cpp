@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -159,28 +160,115 @@ TEST_CASE("PrepareStepBody: the step count advances, each group's scalars, and t
   std::array<tandem::AdamW::Scalars, 2> scalars{};
   std::uint64_t step = 41;
   float scale = -1.0f;
-  auto prepare = [&](const double* sum_of_squares, float average, float max_norm) {
-    tandem::detail::PrepareStepBody<tandem::AdamW>{&step, &scale,         groups.data(), scalars.data(),
-                                                   2,     sum_of_squares, average,       max_norm}(0, 0, 1);
+  std::uint32_t skip = 7;
+  tandem::detail::StepRecord record{};
+  auto prepare = [&](const tandem::detail::StepChecks& checks) {
+    tandem::detail::PrepareStepBody<tandem::AdamW>{&step, &scale, groups.data(), scalars.data(),
+                                                   2,     checks, &skip,         &record}(0, 0, 1);
   };
-  prepare(nullptr, 0.25f, 0.0f);  // no clipping: the factor is the averaging
+  using tandem::detail::StepVerdict;
+  prepare({.average = 0.25f});  // no norm: the factor is the averaging
   CHECK(step == 42);
   CHECK(scale == 0.25f);
+  CHECK(skip == 0);
+  CHECK(record.verdict == StepVerdict::update);
+  CHECK(record.step == 42);
+  CHECK(record.clip_coefficient == 1.0f);
   for (std::size_t g = 0; g < 2; ++g) {
     const tandem::AdamW::Scalars want = tandem::AdamW::scalars(groups[g], 42);
     CHECK(std::memcmp(&scalars[g], &want, sizeof want) == 0);
   }
   const double big = 400.0;  // norm sqrt(400) * 0.5 = 10 against max 1: factor 0.5 * 1 / (10 + 1e-6)
-  prepare(&big, 0.5f, 1.0f);
+  prepare({.sum_of_squares = &big, .average = 0.5f, .max_grad_norm = 1.0f});
   CHECK(step == 43);
-  CHECK(scale == static_cast<float>(0.5 * static_cast<float>(1.0 / (10.0 + 1e-6))));
+  const float clip = static_cast<float>(1.0 / (10.0 + 1e-6));
+  CHECK(scale == static_cast<float>(0.5 * clip));
+  CHECK(record.grad_norm == 10.0);
+  CHECK(record.clip_coefficient == clip);
+  prepare({.sum_of_squares = &big, .average = 0.5f});  // the norm without clipping (a non-finite check only)
+  CHECK(scale == 0.5f);
+  CHECK(record.grad_norm == 10.0);
+  CHECK(record.clip_coefficient == 1.0f);
   const double small = 0.01;  // norm 0.05 under max 1: not clipped
-  prepare(&small, 0.5f, 1.0f);
+  prepare({.sum_of_squares = &small, .average = 0.5f, .max_grad_norm = 1.0f});
   CHECK(scale == 0.5f);
   const double nan = std::nan("");
-  prepare(&nan, 0.5f, 1.0f);  // a non-finite norm is not clipped (NonFinite::ignore)
+  prepare({.sum_of_squares = &nan, .average = 0.5f, .max_grad_norm = 1.0f});  // NonFinite::ignore: not clipped
   CHECK(scale == 0.5f);
-  CHECK(step == 45);
+  CHECK(step == 46);
+  CHECK(skip == 0);
+  CHECK(record.verdict == StepVerdict::update);
+
+  // A non-finite norm where it skips: no count, no scalars, the skip word set, the record says why.
+  const std::array<tandem::AdamW::Scalars, 2> before = scalars;
+  scale = -1.0f;
+  for (const double bad : {nan, std::numeric_limits<double>::infinity()}) {
+    prepare({.sum_of_squares = &bad, .average = 0.5f, .max_grad_norm = 1.0f, .skip_non_finite = true});
+    CHECK(step == 46);
+    CHECK(skip == 1);
+    CHECK(record.verdict == StepVerdict::non_finite);
+    CHECK(record.step == 46);
+    CHECK(scale == -1.0f);
+    CHECK(std::memcmp(scalars.data(), before.data(), sizeof before) == 0);
+  }
+  prepare({.sum_of_squares = &big, .average = 0.5f, .skip_non_finite = true});  // a finite norm updates
+  CHECK(step == 47);
+  CHECK(skip == 0);
+
+  // The options' lanes over 3 ranks (detail::WordAgreement): equal words update, different ones do not, before the
+  // norm is looked at.
+  auto lanes_of = [](std::initializer_list<std::uint64_t> words) {
+    std::array<double, tandem::detail::WordAgreement::lanes> sums{};
+    for (std::uint64_t w : words) {
+      const auto mine = tandem::detail::WordAgreement::encode(w, 3);
+      for (std::size_t l = 0; l < sums.size(); ++l) sums[l] += mine[l];
+    }
+    return sums;
+  };
+  const auto same = lanes_of({0x1234567890abcdefu, 0x1234567890abcdefu, 0x1234567890abcdefu});
+  const auto differ = lanes_of({0x1234567890abcdefu, 0x1234567890abcdeeu, 0x1234567890abcdefu});
+  prepare({.average = 1.0f, .lanes = same.data(), .world = 3});
+  CHECK(step == 48);
+  CHECK(record.verdict == StepVerdict::update);
+  prepare({.sum_of_squares = &nan, .average = 1.0f, .lanes = differ.data(), .world = 3, .skip_non_finite = true});
+  CHECK(step == 48);
+  CHECK(skip == 1);
+  CHECK(record.verdict == StepVerdict::options_differ);
+  CHECK(record.step == 48);
+
+  // Without a skip word or a record the body decides the same and writes neither.
+  tandem::detail::PrepareStepBody<tandem::AdamW>{
+      &step, &scale, groups.data(), scalars.data(), 2, {.average = 1.0f, .lanes = differ.data(), .world = 3}}(0, 0, 1);
+  CHECK(step == 48);
+}
+
+TEST_CASE_TEMPLATE("update bodies leave every array as it is where the skip word is set", Opt, tandem::AdamW,
+                   tandem::SGD) {
+  // Poisoned outputs would show any write; then a cleared word updates (so the check above can fail).
+  constexpr std::size_t m = 3000;
+  std::vector<float> master(m), s0(m, 0.5f), s1(m, 0.25f), grad(m, 0.125f);
+  std::vector<tandem::BFloat16> param(m, tandem::BFloat16(std::nanf("")));
+  for (std::size_t i = 0; i < m; ++i) master[i] = static_cast<float>(i) * 0.01f;
+  const std::vector<float> master0 = master, s00 = s0, s10 = s1;
+  const float grad_scale = 1.0f;
+  std::uint32_t skip = 1;
+  tandem::UpdateArgs<tandem::BFloat16> a{master.data(), param.data(), grad.data(), {s0.data(), s1.data()}, m,
+                                         &grad_scale,   &skip};
+  typename Opt::Options o{};
+  o.lr = 0.1f;
+  if constexpr (std::is_same_v<Opt, tandem::SGD>) o.momentum = 0.9f;
+  const typename Opt::Scalars scalars = Opt::scalars(o, 2);
+  for (unsigned lanes : {1u, 256u}) {
+    run_body(typename Opt::template Body<tandem::BFloat16>{a, &scalars}, tandem::update_items(m), lanes);
+    CHECK(master == master0);
+    CHECK(s0 == s00);
+    CHECK(s1 == s10);
+    for (const tandem::BFloat16 p : param) REQUIRE(std::isnan(static_cast<float>(p)));
+  }
+  skip = 0;
+  run_body(typename Opt::template Body<tandem::BFloat16>{a, &scalars}, tandem::update_items(m), 1);
+  CHECK(master != master0);
+  CHECK(!std::isnan(static_cast<float>(param[m - 1])));
 }
 
 TEST_CASE("optimizer options are validated with the option's name") {

@@ -257,8 +257,12 @@ class DataParallel {
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
     const bool norm = options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore;
-    const BoundaryScalars agreed = boundary_scalars(scope, norm);
-    if (!agreed.options_agree) {
+    control_.prepare(backend_, groups_, boundary_scalars(scope, norm, average), work_stream());
+    // The device decided (PrepareStepBody); the host reads its record to report it, where there is one to read: with
+    // one rank and no norm every step updates.
+    detail::StepRecord record{.step = step_ + 1};
+    if (norm || world_ > 1) record = control_.record(backend_, work_stream());
+    if (record.verdict == detail::StepVerdict::options_differ) {
       drop_window();
       detail::fail("tandem: step(): the ranks' optimizer options differ at optimizer step " +
                    std::to_string(step_ + 1) +
@@ -266,29 +270,23 @@ class DataParallel {
                    "gradients were dropped: set the same options on every rank, and the next step() trains on");
     }
     if (norm) {
-      result.grad_norm = detail::grad_norm(agreed.sum_of_squares, average);
-      const bool finite = tandem::finite(result.grad_norm);
-      if (!finite && options_.non_finite == NonFinite::throw_error) {
-        drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
+      result.grad_norm = record.grad_norm;
+      result.clip_coefficient = record.clip_coefficient;
+    }
+    if (record.verdict == detail::StepVerdict::non_finite) {
+      drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
+      if (options_.non_finite == NonFinite::throw_error)
         detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
                      std::to_string(result.grad_norm) +
                      "); the window's gradients were dropped, so the next step() starts a clean window "
                      "(NonFinite::skip_step would drop it without throwing)");
-      }
-      if (!finite && options_.non_finite == NonFinite::skip_step) {
-        drop_window();
-        ++skipped_;
-        result.skipped = true;
-        result.step = step_;
-        scope.leave();
-        return result;
-      }
-      if (options_.max_grad_norm > 0.0f)  // as PrepareStepBody computes it on the backend for the update
-        result.clip_coefficient = detail::clip_coefficient(result.grad_norm, options_.max_grad_norm);
+      ++skipped_;
+      result.skipped = true;
+      result.step = step_;
+      scope.leave();
+      return result;
     }
-    ++step_;
-    control_.prepare(backend_, groups_, options_.max_grad_norm > 0.0f ? agreed.total : nullptr, average,
-                     options_.max_grad_norm, work_stream());
+    step_ = record.step;
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b);
@@ -1400,28 +1398,24 @@ class DataParallel {
     return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 + detail::WordAgreement::lanes;
   }
 
-  /// What the optimizer step's one scalar all-reduce returns.
-  struct BoundaryScalars {
-    double sum_of_squares = 0.0;    ///< the squared global gradient norm, when asked for
-    const double* total = nullptr;  ///< where it lies in backend memory (when asked for)
-    bool options_agree = true;      ///< every rank's optimizer options have the same fingerprint
-  };
-
-  /// The optimizer step's one scalar all-reduce, in backend memory. It carries the optimizer options' fingerprint
-  /// (detail::WordAgreement's lanes: options changed through optimizer_options() on some ranks only are found before
-  /// anything is updated, at no collective of their own where the norm is reduced anyway) and, when `norm`, the squared
-  /// global gradient norm: sum over ranks r (in rank order) of the sum over buckets b (in bucket order) of shard
-  /// (b, r)'s sum of squares. A rank that owns every shard (replicated state) computes every term itself in that order;
-  /// a rank that owns one computes its own, and the all-reduce adds them in rank order. Either way the norm is bitwise
-  /// the same under every policy.
+  /// The optimizer step's one scalar all-reduce, in backend memory, and what PrepareStepBody decides from. It carries
+  /// the optimizer options' fingerprint (detail::WordAgreement's lanes: options changed through optimizer_options() on
+  /// some ranks only are found before anything is updated, at no collective of their own where the norm is reduced
+  /// anyway) and, when `norm`, the squared global gradient norm: sum over ranks r (in rank order) of the sum over
+  /// buckets b (in bucket order) of shard (b, r)'s sum of squares. A rank that owns every shard (replicated state)
+  /// computes every term itself in that order; a rank that owns one computes its own, and the all-reduce adds them in
+  /// rank order. Either way the norm is bitwise the same under every policy.
   ///
-  /// The terms are combined in backend memory in that order (OrderedSumBody), all-reduced there with the lanes, and
-  /// only the total and the lanes are read back: the one point where step() waits for the work stream (docs/cuda.md).
-  /// With one rank and no norm nothing runs.
-  BoundaryScalars boundary_scalars(const StreamScope&, bool norm) {
+  /// The terms are combined in backend memory in that order (OrderedSumBody) and all-reduced there with the lanes; the
+  /// result stays there, for PrepareStepBody. With one rank and no norm nothing runs.
+  detail::StepChecks boundary_scalars(const StreamScope&, bool norm, float average) {
     constexpr std::size_t lanes = detail::WordAgreement::lanes;
     const bool check = world_ > 1;
-    if (!norm && !check) return {};
+    detail::StepChecks checks{.average = average,
+                              .max_grad_norm = options_.max_grad_norm,
+                              .world = world_,
+                              .skip_non_finite = options_.non_finite != NonFinite::ignore};
+    if (!norm && !check) return checks;
     const std::size_t buckets = plan_.num_buckets();
     const auto shards = static_cast<std::size_t>(owned_shards<P>(world_));
     const std::size_t gsize = reduced_size();
@@ -1436,6 +1430,7 @@ class DataParallel {
           kernels_.sum_squares(backend_, x, n, terms + g * buckets + b, work_stream());
         }
       backend_.launch(1, OrderedSumBody{terms, shards, buckets, total}, work_stream());
+      checks.sum_of_squares = total;
     }
     if (check) {
       const std::array<double, lanes> mine = detail::WordAgreement::encode(optimizer_fingerprint(), world_);
@@ -1448,13 +1443,9 @@ class DataParallel {
       const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
       double* first = with_total ? total : total + 1;
       comm_.all_reduce(first, first, lanes + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum, work_stream());
+      checks.lanes = total + 1;
     }
-    std::array<double, 1 + lanes> host{};
-    const std::size_t skip = norm ? 0 : 1;
-    backend_.read(host.data() + skip, total + skip, (1 - skip + (check ? lanes : 0)) * sizeof(double), work_stream());
-    return {.sum_of_squares = host[0],
-            .total = norm ? total : nullptr,
-            .options_agree = !check || detail::WordAgreement::agree(host.data() + 1, world_)};
+    return checks;
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
@@ -1481,6 +1472,7 @@ class DataParallel {
         r.state[k] = state_.state(k) != nullptr ? state_.state(k) + owned_offset(b) + seg.begin : nullptr;
       r.n = seg.end - seg.begin;
       r.grad_scale = control_.grad_scale();
+      r.skip = control_.skip();
       kernels_.update(backend_, r, control_.scalars(seg.group), work_stream());
     }
   }

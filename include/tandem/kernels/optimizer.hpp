@@ -23,6 +23,7 @@
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/hash.hpp"
 #include "tandem/kernels/detail/rounding.hpp"
+#include "tandem/kernels/detail/word_agreement.hpp"
 #include "tandem/kernels/vector.hpp"
 
 namespace tandem {
@@ -40,7 +41,8 @@ struct UpdateArgs {
   const G* grad = nullptr;
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
-  const float* grad_scale = nullptr;  ///< in backend memory: the factor of every gradient
+  const float* grad_scale = nullptr;    ///< in backend memory: the factor of every gradient
+  const std::uint32_t* skip = nullptr;  ///< in backend memory: nonzero leaves every array as it is (null: never)
 };
 
 /// Work items of an update over n elements.
@@ -82,6 +84,7 @@ inline constexpr std::size_t update_group_elements = 16 / (sizeof(P) < 4 || size
 template <std::size_t States, class P, class G, class F>
 TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, unsigned lane, unsigned lanes, F&& f) {
   static_assert(States <= 2, "an update keeps at most two state arrays");
+  if (a.skip != nullptr && *a.skip != 0) return;  // the step's verdict was not to update (PrepareStepBody)
   constexpr std::size_t W = update_group_elements<P, G>;
   constexpr std::size_t S = States > 0 ? States : 1;  // arrays of zero length are not C++
   const std::size_t begin = item * update_chunk_elements;
@@ -178,10 +181,39 @@ TANDEM_HD inline float clip_coefficient(double norm, float max_grad_norm) {
   return static_cast<float>(q < 1.0 ? q : 1.0);
 }
 
-/// An optimizer step's scalars, made in backend memory on the stream (one item, lane 0), where the update bodies read
-/// them: the step count advances by one; the gradients' factor *grad_scale becomes average times the clip coefficient
-/// of the squared norm *sum_of_squares (1 where sum_of_squares is null: no clipping); and each group's Scalars come
-/// from its options and the new count, by the same operations as on the host (Opt::scalars is host+device code).
+/// What the device decided at an optimizer step (StepRecord::verdict).
+enum class StepVerdict : std::uint32_t {
+  update = 0,          ///< the optimizer runs
+  options_differ = 1,  ///< the ranks' optimizer options have different fingerprints: nothing is updated
+  non_finite = 2       ///< the global norm is not finite and non-finite gradients skip the update
+};
+
+/// What an optimizer step's decision reads: the reduced values in backend memory, and constants of the configuration.
+struct StepChecks {
+  const double* sum_of_squares = nullptr;  ///< the squared global norm (null: not computed)
+  float average = 1.0f;                    ///< the averaging the gradients' factor applies
+  float max_grad_norm = 0.0f;              ///< > 0: clip to it
+  const double* lanes = nullptr;  ///< WordAgreement's lanes of the options' fingerprint summed over ranks (null: none)
+  int world = 1;                  ///< the ranks the lanes were summed over
+  bool skip_non_finite = false;   ///< a non-finite norm skips the update (NonFinite::skip_step and throw_error)
+};
+
+/// One optimizer step's outcome, written by PrepareStepBody to backend memory, where the host reads it.
+struct StepRecord {
+  double grad_norm = 0.0;         ///< the global norm before clipping (0 where not computed)
+  float clip_coefficient = 1.0f;  ///< the factor clipping scaled the gradients by
+  StepVerdict verdict = StepVerdict::update;
+  std::uint64_t step = 0;  ///< optimizer steps taken after this one
+};
+
+/// An optimizer step's decision and scalars, made in backend memory on the stream (one item, lane 0), where the update
+/// bodies read them. The verdict: the options' lanes must agree (WordAgreement), then a non-finite norm skips the
+/// update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update bodies then
+/// leave every array as it is. On an update the step count advances by one, the gradients' factor *grad_scale becomes
+/// average times the clip coefficient of the squared norm (1 without clipping), and each group's Scalars come from its
+/// options and the new count, by the same operations as on the host (Opt::scalars is host+device code). *record (if
+/// not null) receives the outcome. So nothing the host decides depends on a value the stream computes: the host may
+/// read the record, or not (docs/cuda.md, "Step scalars").
 template <class Opt>
 struct PrepareStepBody {
   std::uint64_t* step = nullptr;
@@ -189,18 +221,30 @@ struct PrepareStepBody {
   const typename Opt::Options* options = nullptr;
   typename Opt::Scalars* scalars = nullptr;
   std::size_t groups = 0;
-  const double* sum_of_squares = nullptr;
-  float average = 1.0f;
-  float max_grad_norm = 0.0f;
+  StepChecks checks{};
+  std::uint32_t* skip = nullptr;  ///< null: the caller updates whatever the verdict
+  StepRecord* record = nullptr;   ///< null: not written
 
   TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
     if (lane != 0) return;
-    const std::uint64_t t = *step + 1;
-    *step = t;
-    const float clip =
-        sum_of_squares != nullptr ? clip_coefficient(grad_norm(*sum_of_squares, average), max_grad_norm) : 1.0f;
-    *grad_scale = mul_rn(average, clip);
-    for (std::size_t g = 0; g < groups; ++g) scalars[g] = Opt::scalars(options[g], t);
+    StepRecord r;
+    const double* sum = checks.sum_of_squares;
+    if (sum != nullptr) r.grad_norm = grad_norm(*sum, checks.average);
+    if (checks.lanes != nullptr && !WordAgreement::agree(checks.lanes, checks.world))
+      r.verdict = StepVerdict::options_differ;
+    else if (sum != nullptr && checks.skip_non_finite && !finite(r.grad_norm))
+      r.verdict = StepVerdict::non_finite;
+    if (sum != nullptr && checks.max_grad_norm > 0.0f)
+      r.clip_coefficient = clip_coefficient(r.grad_norm, checks.max_grad_norm);
+    const bool update = r.verdict == StepVerdict::update;
+    r.step = *step + (update ? 1 : 0);
+    if (skip != nullptr) *skip = update ? 0u : 1u;
+    if (update) {
+      *step = r.step;
+      *grad_scale = mul_rn(checks.average, r.clip_coefficient);
+      for (std::size_t g = 0; g < groups; ++g) scalars[g] = Opt::scalars(options[g], r.step);
+    }
+    if (record != nullptr) *record = r;
   }
 };
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "tandem/core/dtype.hpp"
@@ -26,7 +27,8 @@ struct UpdateRange {
   const void* grad = nullptr;  ///< the reduced gradients, in G
   float* state[2] = {nullptr, nullptr};
   std::size_t n = 0;
-  const float* grad_scale = nullptr;  ///< in backend memory (StepControl)
+  const float* grad_scale = nullptr;    ///< in backend memory (StepControl)
+  const std::uint32_t* skip = nullptr;  ///< in backend memory (StepControl): nonzero leaves the range as it is
 };
 
 template <class Opt, class Backend>
@@ -138,6 +140,7 @@ struct BucketKernels {
     a.state[1] = r.state[1];
     a.n = r.n;
     a.grad_scale = r.grad_scale;
+    a.skip = r.skip;
     be.launch(update_items(a.n), typename Opt::template Body<T, G>{a, scalars}, s);
   }
   template <class G>

@@ -2,14 +2,17 @@
 // StepControl: what an optimizer step's update reads besides the arrays, kept in backend memory and made on the work
 // stream. The step count lives there and advances there; a step stores the groups' options where they changed since
 // the last store (the host keeps a copy of what it last stored: the options the update reads), and PrepareStepBody
-// (kernels/optimizer.hpp) turns them, the new count and the reduced squared norm into each group's Scalars and the
-// gradients' factor, which the update bodies read by pointer. So the values an update uses follow the stream's order,
-// not the host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step
-// scalars").
+// (kernels/optimizer.hpp) decides from the reduced squared norm and the options' agreement whether the step updates,
+// and turns the options, the new count and the norm into each group's Scalars and the gradients' factor, which the
+// update bodies read by pointer. So the values an update uses and whether it runs follow the stream's order, not the
+// host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step scalars"),
+// and reads the step's record to report it.
 //
 //   step         uint64          optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
 //                                step advance this one only)
 //   grad_scale   fp32            the gradients' factor of the current step: averaging x clip coefficient
+//   skip         uint32          1 where the current step's verdict is not to update (the update bodies return)
+//   record       StepRecord      the current step's norm, clip coefficient, verdict and step count
 //   options[g]   Opt::Options    group g's options, as last stored (by a step, or by store_options)
 //   scalars[g]   Opt::Scalars    group g's per-step scalars of the current step
 #pragma once
@@ -43,7 +46,9 @@ class StepControl {
   /// Room for `groups` optimizer groups, and the step count set to `step` on stream s.
   StepControl(const Backend& backend, std::size_t groups, std::uint64_t step, Stream s)
       : step_(allocate_named<std::uint64_t>(backend, 1, "the optimizer step count")),
-        grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")) {
+        grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")),
+        skip_(allocate_named<std::uint32_t>(backend, 1, "the optimizer step's skip word")),
+        record_(allocate_named<StepRecord>(backend, 1, "the optimizer step's record")) {
     reserve_groups(backend, groups);
     set_step(backend, step, s);
   }
@@ -73,13 +78,12 @@ class StepControl {
     stored_.assign(groups.begin(), groups.end());
   }
 
-  /// One optimizer step's scalars, on stream s: the groups' options are stored where they differ from the last ones
-  /// stored (bytewise), then PrepareStepBody advances the step count and computes each group's Scalars and the
-  /// gradients' factor `average` x the clip coefficient of the squared norm *sum_of_squares (backend memory; null: no
-  /// clipping) against max_grad_norm. A step whose options did not change launches no store: captured, it reads the
-  /// options that store_options() last stored before each replay.
-  void prepare(const Backend& backend, std::span<const Options> groups, const double* sum_of_squares, float average,
-               float max_grad_norm, Stream s) {
+  /// One optimizer step's verdict and scalars, on stream s: the groups' options are stored where they differ from the
+  /// last ones stored (bytewise), then PrepareStepBody decides from `checks` (the reduced values it names, in backend
+  /// memory) whether the step updates, and if so advances the step count and computes each group's Scalars and the
+  /// gradients' factor. A step whose options did not change launches no store: captured, it reads the options that
+  /// store_options() last stored before each replay.
+  void prepare(const Backend& backend, std::span<const Options> groups, const StepChecks& checks, Stream s) {
     if (groups.size() != stored_.size() ||
         std::memcmp(groups.data(), stored_.data(), groups.size() * sizeof(Options)) != 0)
       store_options(backend, groups, s);
@@ -89,10 +93,17 @@ class StepControl {
                                         .options = options_.data(),
                                         .scalars = scalars_.data(),
                                         .groups = groups.size(),
-                                        .sum_of_squares = sum_of_squares,
-                                        .average = average,
-                                        .max_grad_norm = max_grad_norm},
+                                        .checks = checks,
+                                        .skip = skip_.data(),
+                                        .record = record_.data()},
                    s);
+  }
+
+  /// The last prepared step's record, read back (waits for stream s).
+  StepRecord record(const Backend& backend, Stream s) const {
+    StepRecord r;
+    backend.read(&r, record_.data(), sizeof r, s);
+    return r;
   }
 
   /// The step count, read back (waits for stream s).
@@ -105,10 +116,14 @@ class StepControl {
   /// Group g's Scalars and the gradients' factor of the step prepare() made (backend memory).
   const Scalars* scalars(std::size_t g) const { return scalars_.data() + g; }
   const float* grad_scale() const { return grad_scale_.data(); }
+  /// Nonzero where the step prepare() decided on does not update (backend memory).
+  const std::uint32_t* skip() const { return skip_.data(); }
 
  private:
   Buffer<std::uint64_t> step_;
   Buffer<float> grad_scale_;
+  Buffer<std::uint32_t> skip_;
+  Buffer<StepRecord> record_;
   Buffer<Options> options_;
   Buffer<Scalars> scalars_;
   std::vector<Options> stored_;  ///< the options last stored into options_, in stream order (host memory)
