@@ -451,9 +451,10 @@ struct QuadraticGradient {
 
 TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bits of eager steps, an lr schedule too",
                    P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
-  // One rank without clipping: step() makes no host read (docs/cuda.md, "Step scalars"). The backward is captured
-  // with it, so each replay is a whole training step; each must use its own step count's bias corrections, and the lr
-  // of a schedule stored before it (store_optimizer_options).
+  // One rank without clipping: step() makes no host read (docs/cuda.md, "Step scalars"); and with clipping and the
+  // non-finite check, whose step reads nothing under StepReport::deferred (the eager run reports at each step). The
+  // backward is captured with it, so each replay is a whole training step; each must use its own step count's bias
+  // corrections and clip coefficient, and the lr of a schedule stored before it (store_optimizer_options).
   constexpr std::size_t n = 70001;
   constexpr int steps = 6;
   auto lr = [](int s) { return 1e-2f / static_cast<float>(1 + s); };
@@ -462,59 +463,70 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
     w0[i] = 0.01f * static_cast<float>(i % 97);
     target[i] = 0.5f - 0.002f * static_cast<float>(i % 89);
   }
-  auto train = [&](bool captured) {
-    std::vector<float> out(n);
-    tandem::NcclGroup({0}).run([&](tandem::Nccl& comm) {
-      cudaStream_t user = nullptr;
-      TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
-      Device<float> w(n), g(n), t(n);
-      w.upload(w0.data(), n), t.upload(target.data(), n);
-      TANDEM_CUDA_CHECK(cudaMemset(g.p, 0, n * sizeof(float)));
-      {
-        tandem::DataParallel<P, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-            comm, {{"w", w.p, g.p, n}}, {.lr = lr(0)}, {.bucket_cap_bytes = 65536, .stream = tandem::Stream{user}});
-        dp.broadcast_parameters();
-        const tandem::CudaBackend launcher;
-        auto optimizer_step = [&] {
-          launcher.launch(tandem::update_items(n), graph_test::QuadraticGradient{g.p, w.p, t.p, n},
-                          tandem::Stream{user});
-          dp.step();
-        };
-        optimizer_step();  // a warm-up step first, as usual before a capture
-        if (!captured) {
-          for (int s = 1; s < steps; ++s) {
-            dp.optimizer_options().lr = lr(s);
+  for (const bool checks : {false, true}) {
+    CAPTURE(checks);
+    auto train = [&](bool captured) {
+      std::vector<float> out(n);
+      tandem::NcclGroup({0}).run([&](tandem::Nccl& comm) {
+        cudaStream_t user = nullptr;
+        TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking));
+        Device<float> w(n), g(n), t(n);
+        w.upload(w0.data(), n), t.upload(target.data(), n);
+        TANDEM_CUDA_CHECK(cudaMemset(g.p, 0, n * sizeof(float)));
+        {
+          tandem::DataParallel<P, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
+              comm, {{"w", w.p, g.p, n}}, {.lr = lr(0)},
+              {.bucket_cap_bytes = 65536,
+               .max_grad_norm = checks ? 1.0f : 0.0f,
+               .non_finite = checks ? tandem::NonFinite::skip_step : tandem::NonFinite::ignore,
+               .step_report = checks && captured ? tandem::StepReport::deferred : tandem::StepReport::at_step,
+               .stream = tandem::Stream{user}});
+          dp.broadcast_parameters();
+          const tandem::CudaBackend launcher;
+          auto optimizer_step = [&] {
+            launcher.launch(tandem::update_items(n), graph_test::QuadraticGradient{g.p, w.p, t.p, n},
+                            tandem::Stream{user});
+            dp.step();
+          };
+          optimizer_step();  // a warm-up step first, as usual before a capture
+          if (!captured) {
+            for (int s = 1; s < steps; ++s) {
+              dp.optimizer_options().lr = lr(s);
+              optimizer_step();
+            }
+          } else {
+            cudaGraph_t graph = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            dp.optimizer_options().lr = lr(1);
+            dp.store_optimizer_options();  // before the capture: the captured step stores nothing
+            TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
             optimizer_step();
+            TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &graph));
+            TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            for (int s = 1; s < steps; ++s) {
+              dp.optimizer_options().lr = lr(s);
+              dp.store_optimizer_options();
+              TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+            }
+            TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
+            TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
           }
-        } else {
-          cudaGraph_t graph = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          dp.optimizer_options().lr = lr(1);
-          dp.store_optimizer_options();  // before the capture: the captured step stores nothing
-          TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
-          optimizer_step();
-          TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &graph));
-          TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-          for (int s = 1; s < steps; ++s) {
-            dp.optimizer_options().lr = lr(s);
-            dp.store_optimizer_options();
-            TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
-          }
+          const tandem::StepResult last = dp.last_step();  // the device's count, replays included
+          CHECK(last.updated);
+          CHECK(last.step == static_cast<std::uint64_t>(steps));
+          CHECK(last.clip_coefficient < (checks ? 1.0f : 1.5f));
           TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
-          TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-          TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
-          CHECK(dp.step_count() == 2u);  // the host counts step() calls; the device counted the replays too
+          w.download(out.data(), n);
         }
-        TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
-        w.download(out.data(), n);
-      }
-      TANDEM_CUDA_CHECK(cudaStreamDestroy(user));
-    });
-    return out;
-  };
-  const std::vector<float> eager = train(false), replayed = train(true);
-  CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
-  CHECK(eager != w0);
+        TANDEM_CUDA_CHECK(cudaStreamDestroy(user));
+      });
+      return out;
+    };
+    const std::vector<float> eager = train(false), replayed = train(true);
+    CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+    CHECK(eager != w0);
+  }
 }
 
 TEST_CASE("CUDA sum of squares: deterministic, and equal to the host's within 1e-12") {

@@ -419,40 +419,49 @@ TEST_CASE_TEMPLATE(
     "nothing",
     Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
   // Copy mode (the user's buffers), so every policy but ParameterSharded. The user's stream is a stream of its own, as
-  // a CUDA stream is: the host never waits on it.
+  // a CUDA stream is: the host never waits on it. Under StepReport::deferred step() never reads.
   for (const int world : {1, 2})
-    for (const bool clip : {false, true}) {
-      CAPTURE(world);
-      CAPTURE(clip);
-      tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
-        tandem::HostStream user;
-        std::vector<float> w(5000), g(5000);
-        for (std::size_t i = 0; i < w.size(); ++i) {
-          w[i] = 0.01f * static_cast<float>(i % 97);
-          g[i] = 0.001f * static_cast<float>(i % 13) - 0.005f;  // written once: nothing races the packs
-        }
-        WaitCountingBackend backend;
-        const std::shared_ptr<HostWaits> waits = backend.waits;
-        tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(comm, {{"w", w.data(), g.data(), w.size()}},
-                                                                            {},
-                                                                            {.bucket_cap_bytes = 8192,
-                                                                             .accumulation_steps = 2,
-                                                                             .max_grad_norm = clip ? 1.0f : 0.0f,
-                                                                             .stream = user.stream()},
-                                                                            std::move(backend));
-        dp.broadcast_parameters();
-        dp.step();
-        dp.step();  // one optimizer step first: whatever a first step sets up is set up
-        const int reads = waits->reads, synchronizes = waits->synchronizes, allocations = waits->allocations;
-        for (int k = 0; k < 6; ++k) dp.step();  // 3 optimizer steps
-        // The scalar all-reduce's result (docs/cuda.md): read when the norm is needed or the ranks' options are
-        // checked.
-        CHECK(waits->reads - reads == (clip || world > 1 ? 3 : 0));
-        CHECK(waits->synchronizes == synchronizes);
-        CHECK(waits->allocations == allocations);
-        user.synchronize();
-      });
-    }
+    for (const bool clip : {false, true})
+      for (const tandem::StepReport report : {tandem::StepReport::at_step, tandem::StepReport::deferred}) {
+        CAPTURE(world);
+        CAPTURE(clip);
+        CAPTURE(report);
+        tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+          tandem::HostStream user;
+          std::vector<float> w(5000), g(5000);
+          for (std::size_t i = 0; i < w.size(); ++i) {
+            w[i] = 0.01f * static_cast<float>(i % 97);
+            g[i] = 0.001f * static_cast<float>(i % 13) - 0.005f;  // written once: nothing races the packs
+          }
+          WaitCountingBackend backend;
+          const std::shared_ptr<HostWaits> waits = backend.waits;
+          tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(comm,
+                                                                              {{"w", w.data(), g.data(), w.size()}}, {},
+                                                                              {.bucket_cap_bytes = 8192,
+                                                                               .accumulation_steps = 2,
+                                                                               .max_grad_norm = clip ? 1.0f : 0.0f,
+                                                                               .step_report = report,
+                                                                               .stream = user.stream()},
+                                                                              std::move(backend));
+          dp.broadcast_parameters();
+          dp.step();
+          dp.step();  // one optimizer step first: whatever a first step sets up is set up
+          const int reads = waits->reads, synchronizes = waits->synchronizes, allocations = waits->allocations;
+          for (int k = 0; k < 6; ++k) dp.step();  // 3 optimizer steps
+          // The scalar all-reduce's result (docs/cuda.md): read when the norm is needed or the ranks' options are
+          // checked.
+          CHECK(waits->reads - reads == (report == tandem::StepReport::at_step && (clip || world > 1) ? 3 : 0));
+          CHECK(waits->synchronizes == synchronizes);
+          CHECK(waits->allocations == allocations);
+          const tandem::StepResult last = dp.last_step();  // one read, when asked
+          CHECK(waits->reads - reads == (report == tandem::StepReport::at_step && (clip || world > 1) ? 4 : 1));
+          CHECK(last.updated);
+          CHECK(last.step == 4);
+          CHECK(dp.step_count() == 4);
+          CHECK(tandem::finite(last.grad_norm) == clip);
+          user.synchronize();
+        });
+      }
 }
 TEST_CASE_TEMPLATE(
     "a step() captured on the user's stream and replayed gives the bits of eager steps, without a host "
@@ -574,6 +583,127 @@ TEST_CASE_TEMPLATE(
                            stale = train(Run::replayed_without_stores);
   CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
   CHECK(std::memcmp(eager.data(), stale.data(), n * sizeof(float)) != 0);
+}
+
+TEST_CASE_TEMPLATE(
+    "a step that checks (two ranks, clipping, non-finite skip) is captured under StepReport::deferred and replays to "
+    "the bits of eager steps, a skipped one too",
+    Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // At two ranks with clipping and NonFinite::skip_step, StepReport::at_step reads the verdict back at every step, so
+  // such a step cannot be captured; deferred, it reads nothing, and the device's verdict alone clips, skips or updates
+  // in each replay. One replay's gradients hold a NaN (the target poisoned between replays): the device skips it, as
+  // the eager run skips that step. The replayed parameters, the last step's norm and the counts must equal the eager
+  // run's.
+  constexpr std::size_t n = 3000;
+  constexpr int steps = 6, poisoned = 3;
+  struct Outcome {
+    std::vector<float> w;
+    tandem::StepResult last;
+    std::uint64_t skipped = 0;
+  };
+  auto train = [&](bool captured) {
+    std::vector<Outcome> out(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      QuadraticProblem problem(n);
+      tandem::HostStream user;
+      WaitCountingBackend backend;
+      const std::shared_ptr<HostWaits> waits = backend.waits;
+      tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(
+          comm, {{"w", problem.w.data(), problem.g.data(), n}}, {.lr = 1e-2f},
+          {.bucket_cap_bytes = 4096,
+           .max_grad_norm = 1.0f,
+           .non_finite = tandem::NonFinite::skip_step,
+           .step_report = captured ? tandem::StepReport::deferred : tandem::StepReport::at_step,
+           .stream = user.stream()},
+          std::move(backend));
+      dp.broadcast_parameters();
+      const tandem::StreamHostBackend launcher;
+      auto optimizer_step = [&] {
+        launcher.launch(1, problem.gradient(), user.stream());
+        return dp.step();
+      };
+      const float target = problem.target[7];
+      auto poison = [&](float value) {  // between steps: the user's stream has read the target it had
+        user.synchronize();
+        problem.target[7] = value;
+      };
+      optimizer_step();  // step 0, eager in both runs
+      if (!captured) {
+        for (int s = 1; s < steps; ++s) {
+          if (s == poisoned) poison(std::nanf(""));
+          const tandem::StepResult r = optimizer_step();
+          CHECK(r.skipped == (s == poisoned));
+          if (s != poisoned) CHECK(r.clip_coefficient < 1.0f);  // clipping is active
+          if (s == poisoned) poison(target);
+        }
+      } else {
+        const int reads = waits->reads, synchronizes = waits->synchronizes, allocations = waits->allocations;
+        user.begin_capture();
+        CHECK(optimizer_step().pending);
+        const tandem::HostGraph graph = user.end_capture();
+        CHECK(waits->reads == reads);
+        CHECK(waits->synchronizes == synchronizes);
+        CHECK(waits->allocations == allocations);
+        for (int s = 1; s < steps; ++s) {
+          if (s == poisoned) poison(std::nanf(""));
+          graph.replay();
+          if (s == poisoned) poison(target);
+        }
+      }
+      user.synchronize();
+      Outcome& mine = out[static_cast<std::size_t>(comm.rank())];
+      mine.last = dp.last_step();
+      mine.skipped = dp.skipped_steps();
+      mine.w = problem.w;
+    });
+    return out;
+  };
+  const std::vector<Outcome> eager = train(false), replayed = train(true);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(std::memcmp(eager[r].w.data(), replayed[r].w.data(), n * sizeof(float)) == 0);
+    CHECK(eager[r].w == eager[0].w);
+    for (const Outcome* o : {&eager[r], &replayed[r]}) {
+      CHECK(o->last.updated);
+      CHECK(o->last.step == static_cast<std::uint64_t>(steps - 1));  // one of the steps was skipped
+      CHECK(o->skipped == 1);
+      CHECK(o->last.clip_coefficient < 1.0f);
+    }
+    CHECK(std::memcmp(&eager[r].last.grad_norm, &replayed[r].last.grad_norm, sizeof(double)) == 0);
+  }
+  CHECK(eager[0].w != QuadraticProblem(n).w);
+}
+
+TEST_CASE("last_step() reports no step before the first optimizer step and after a load, else the latest step") {
+  constexpr std::size_t n = 100;
+  const std::string dir = test::temp_path("last_step");
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    std::vector<float> w(n, 0.25f), g(n, 0.5f);  // the norm is sqrt(100 * 0.25) = 5, clipped to 1
+    tandem::DataParallel<tandem::Replicated, tandem::AdamW> dp(
+        comm, {{"w", w.data(), g.data(), n}}, {.lr = 1e-2f},
+        {.max_grad_norm = 1.0f, .step_report = tandem::StepReport::deferred});
+    dp.broadcast_parameters();
+    const tandem::StepResult none = dp.last_step();
+    CHECK((!none.updated && !none.skipped && !none.pending));
+    CHECK(none.step == 0);
+    const tandem::StepResult r = dp.step();
+    CHECK((r.pending && !r.updated && r.step == 0));
+    CHECK(dp.step_count() == 0);  // not reported yet
+    const tandem::StepResult last = dp.last_step();
+    CHECK((last.updated && !last.skipped && !last.pending));
+    CHECK(last.step == 1);
+    CHECK(last.grad_norm == 5.0);
+    CHECK(last.clip_coefficient == static_cast<float>(1.0 / (5.0 + 1e-6)));
+    CHECK(dp.step_count() == 1);
+    dp.save_checkpoint(dir);
+    dp.step();
+    dp.load_checkpoint(dir);
+    const tandem::StepResult loaded = dp.last_step();
+    CHECK((!loaded.updated && !loaded.skipped));
+    CHECK(loaded.step == 1);
+    CHECK(std::isnan(loaded.grad_norm));
+  });
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("store_optimizer_options() validates the options it stores") {

@@ -384,7 +384,8 @@ TEST_CASE("the configuration words tell every difference between ranks apart") {
         tandem::DataParallelOptions{.accumulation_steps = 2}, tandem::DataParallelOptions{.max_grad_norm = 1.0f},
         tandem::DataParallelOptions{.non_finite = tandem::NonFinite::skip_step},
         tandem::DataParallelOptions{.gradient_buffers = 3}, tandem::DataParallelOptions{.parameter_buffers = 3},
-        tandem::DataParallelOptions{.reduce_dtype = DType::bf16}})
+        tandem::DataParallelOptions{.reduce_dtype = DType::bf16},
+        tandem::DataParallelOptions{.step_report = tandem::StepReport::deferred}})
     others.push_back(configuration_of(layout, "GradientSharded", 42, o, tandem::Storage::owned, 2));
   for (std::size_t k = 0; k < others.size(); ++k) {
     CAPTURE(k);

@@ -33,16 +33,17 @@ struct Outcome {
 };
 
 // Trains 6 steps on `world` ranks; at poisoned_step one rank's gradient is poisoned (or, with Poison::none and
-// `leave_out`, that step is left out altogether).
+// `leave_out`, that step is left out altogether). Under StepReport::deferred, last_step() reports at the end.
 template <class P>
-Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out = false) {
+Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out = false,
+              tandem::StepReport report = tandem::StepReport::at_step) {
   Outcome out;
   out.errors.resize(static_cast<std::size_t>(world));
   std::mutex m;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 2);
     test::DataParallel<P, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f},
-                                            {.bucket_cap_bytes = 1024, .non_finite = policy});
+                                            {.bucket_cap_bytes = 1024, .non_finite = policy, .step_report = report});
     const int local = 24 / world;
     try {
       for (int step = 0; step < 6; ++step) {
@@ -54,7 +55,16 @@ Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out
             model.grads()[0][0] = std::numeric_limits<float>::infinity();
         }
         const tandem::StepResult r = dp.step();
-        CHECK(r.skipped == (policy == tandem::NonFinite::skip_step && poison != Poison::none && step == poisoned_step));
+        if (report == tandem::StepReport::deferred)
+          CHECK((r.pending && !r.updated && !r.skipped));
+        else
+          CHECK(r.skipped ==
+                (policy == tandem::NonFinite::skip_step && poison != Poison::none && step == poisoned_step));
+      }
+      if (report == tandem::StepReport::deferred) {
+        const tandem::StepResult last = dp.last_step();
+        CHECK(last.updated);
+        CHECK(last.step == 5);
       }
     } catch (const tandem::error& e) {
       out.errors[static_cast<std::size_t>(comm.rank())] = e.what();
@@ -124,4 +134,26 @@ TEST_CASE("throw_error throws on every rank; ignore lets the NaN through") {
   CHECK(thrown.steps == 3);
   const Outcome ignored = train<tandem::Replicated>(2, tandem::NonFinite::ignore, Poison::nan_on_rank_1);
   CHECK(std::isnan(ignored.params[2][5]));
+}
+
+// StepReport::deferred: step() reads nothing back, and the device's verdict alone skips the poisoned step's updates.
+// The parameters are those of a run that left the step out, under skip_step and under throw_error alike; skip_step
+// counts it, and throw_error's error reaches every rank at the next report (here last_step()), not at the step.
+TEST_CASE_TEMPLATE("deferred reports: the device skips the poisoned step, and throw_error throws at the next report", P,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  const Outcome left_out = train<P>(3, tandem::NonFinite::skip_step, Poison::none, true);
+  const Outcome skipped =
+      train<P>(3, tandem::NonFinite::skip_step, Poison::nan_on_rank_1, false, tandem::StepReport::deferred);
+  CHECK(skipped.params == left_out.params);
+  CHECK(skipped.steps == 5);
+  CHECK(skipped.skipped == 1);
+  for (const std::string& e : skipped.errors) CHECK(e.empty());
+  const Outcome thrown =
+      train<P>(3, tandem::NonFinite::throw_error, Poison::inf_on_rank_0, false, tandem::StepReport::deferred);
+  CHECK(thrown.params == left_out.params);
+  CHECK(thrown.steps == 5);
+  CHECK(thrown.skipped == 0);
+  for (const std::string& e : thrown.errors)
+    CHECK(e.find("last_step(): non-finite gradients at 1 optimizer step(s) since the last report") !=
+          std::string::npos);
 }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
@@ -143,17 +144,21 @@ TEST_CASE("optimizer options changed between steps are validated; state cannot a
 // An optimizer option changed through optimizer_options() on one rank only: before, the ranks went on with different
 // learning rates and silently diverged. The options' fingerprint rides on the step's scalar all-reduce (with the norm
 // where there is one); the next step throws on every rank before anything is updated, and once the ranks agree again
-// they train on exactly as if the refused step had never been taken.
+// they train on exactly as if the refused step had never been taken. Under StepReport::deferred the step does not
+// throw, updates nothing all the same (the device refused it), and the next last_step() throws on every rank.
 TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step throws on every rank, updating nothing",
                    P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
   const std::vector<int> sizes = {13, 37, 29, 7};
   for (int world : {2, 3})
     for (float clip : {0.0f, 1.0f}) {
       std::vector<float> untouched;  // the run without the refused step, compared with the one with it
-      for (bool meddle : {false, true}) {
+      for (const auto& [meddle, report] :
+           {std::pair{false, tandem::StepReport::at_step}, std::pair{true, tandem::StepReport::at_step},
+            std::pair{true, tandem::StepReport::deferred}}) {
         CAPTURE(world);
         CAPTURE(clip);
         CAPTURE(meddle);
+        CAPTURE(report);
         std::mutex m;
         std::vector<std::string> messages(static_cast<std::size_t>(world));
         std::vector<std::vector<float>> finals(static_cast<std::size_t>(world));
@@ -161,8 +166,8 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
           mlp::Mlp<float> model(sizes, 3);
           std::vector<tandem::TensorSpec> specs;
           for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
-          test::DataParallel<P, tandem::AdamW> dp(comm, specs, {.lr = 1e-2f},
-                                                  {.bucket_cap_bytes = 512, .max_grad_norm = clip});
+          test::DataParallel<P, tandem::AdamW> dp(
+              comm, specs, {.lr = 1e-2f}, {.bucket_cap_bytes = 512, .max_grad_norm = clip, .step_report = report});
           dp.template initialize_parameters<float>(
               [&](std::size_t i, float* v) { std::copy(model.params()[i].begin(), model.params()[i].end(), v); });
           auto backward = [&](int step) {
@@ -190,7 +195,9 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
             if (comm.rank() == world - 1) dp.optimizer_options().lr = 2e-2f;
             backward(1);
             try {
-              dp.step();
+              const tandem::StepResult r = dp.step();
+              CHECK(r.pending == (report == tandem::StepReport::deferred));
+              if (r.pending) dp.last_step();
             } catch (const tandem::error& e) {
               std::lock_guard lock(m);
               messages[static_cast<std::size_t>(comm.rank())] = e.what();
@@ -212,7 +219,10 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
         }
         CHECK(finals[0] == untouched);
         for (const std::string& msg : messages)
-          CHECK(msg.find("the ranks' optimizer options differ at optimizer step 2") != std::string::npos);
+          CHECK(msg.find(report == tandem::StepReport::at_step
+                             ? "step(): the ranks' optimizer options differ at optimizer step 2"
+                             : "last_step(): the ranks' optimizer options differ at 1 optimizer step(s) since the last "
+                               "report") != std::string::npos);
       }
     }
 }
@@ -222,6 +232,8 @@ TEST_CASE("bad options name the option") {
       {{.accumulation_steps = 0}, "accumulation_steps"},
       {{.max_grad_norm = -1.0f}, "max_grad_norm"},
       {{.bucket_cap_bytes = 0}, "bucket caps"},
+      {{.non_finite = static_cast<tandem::NonFinite>(7)}, "non_finite is 7, not a NonFinite"},
+      {{.step_report = static_cast<tandem::StepReport>(2)}, "step_report is 2, not a StepReport"},
   };
   for (const auto& [options, want] : cases) {
     const auto messages = run_ranks(

@@ -67,5 +67,6 @@ void tandem_instantiate_bodies() {
   run_body<<<1, tandem::block_threads>>>(tandem::StoreValuesBody<double, 4>{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::detail::PrepareStepBody<tandem::AdamW>{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::detail::PrepareStepBody<tandem::SGD>{}, 1);
+  run_body<<<1, tandem::block_threads>>>(tandem::detail::SetStepBody{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::GroupReduceBody<double>{}, 1);
 }

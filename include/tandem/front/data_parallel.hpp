@@ -99,7 +99,7 @@ enum class Batch {
   exhausted   ///< this rank's data is used up
 };
 
-/// What one call of step() did.
+/// What one call of step() did (or, from DataParallel::last_step(), the latest optimizer step).
 struct StepResult {
   bool updated = false;    ///< the optimizer ran (this call ended an accumulation window)
   bool skipped = false;    ///< the window ended with non-finite gradients and NonFinite::skip_step dropped it
@@ -107,6 +107,9 @@ struct StepResult {
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  ///< global norm before clipping, when clipping or
                                                                 ///< checking for non-finite gradients
   float clip_coefficient = 1.0f;                                ///< the factor the gradients were scaled by
+  /// StepReport::deferred: this call ended an accumulation window whose outcome only the device knows yet; the fields
+  /// above are not set, and DataParallel::last_step() reports it.
+  bool pending = false;
 };
 
 class LocalComm;  // <tandem/comm/local_group.hpp>: include it to use the default communicator (the umbrella does)
@@ -252,41 +255,26 @@ class DataParallel {
       return {.updated = false, .step = step_};
     }
 
-    StepResult result;
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
-    const bool norm = options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore;
-    control_.prepare(backend_, groups_, boundary_scalars(scope, norm, average), work_stream());
-    // The device decided (PrepareStepBody); the host reads its record to report it, where there is one to read: with
-    // one rank and no norm every step updates.
-    detail::StepRecord record{.step = step_ + 1};
-    if (norm || world_ > 1) record = control_.record(backend_, work_stream());
-    if (record.verdict == detail::StepVerdict::options_differ) {
-      drop_window();
-      detail::fail("tandem: step(): the ranks' optimizer options differ at optimizer step " +
-                   std::to_string(step_ + 1) +
-                   " (changed through optimizer_options() on some ranks only?); nothing was updated and the window's "
-                   "gradients were dropped: set the same options on every rank, and the next step() trains on");
+    control_.prepare(backend_, groups_, boundary_scalars(scope, norm_checked(), average), work_stream());
+    ++windows_;
+    // The device decided (PrepareStepBody), and the updates obey its verdict there. With StepReport::at_step the host
+    // reads it back before launching them, to report it (and to launch none for a step that does not update). With
+    // one rank and no norm there is nothing to decide: every step updates.
+    const bool decided = norm_checked() || world_ > 1;
+    StepResult result;
+    if (decided && options_.step_report == StepReport::at_step) {
+      const detail::StepRecord record = control_.record(backend_, work_stream());
+      if (record.verdict != detail::StepVerdict::update) {
+        drop_window();                      // the next window starts clean: the caller may go on (or load a checkpoint)
+        result = report(record, "step()");  // throws where the verdict says so
+        scope.leave();
+        return result;
+      }
+      result = report(record, "step()");
     }
-    if (norm) {
-      result.grad_norm = record.grad_norm;
-      result.clip_coefficient = record.clip_coefficient;
-    }
-    if (record.verdict == detail::StepVerdict::non_finite) {
-      drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
-      if (options_.non_finite == NonFinite::throw_error)
-        detail::fail("tandem: non-finite gradients at optimizer step " + std::to_string(step_ + 1) + " (global norm " +
-                     std::to_string(result.grad_norm) +
-                     "); the window's gradients were dropped, so the next step() starts a clean window "
-                     "(NonFinite::skip_step would drop it without throwing)");
-      ++skipped_;
-      result.skipped = true;
-      result.step = step_;
-      scope.leave();
-      return result;
-    }
-    step_ = record.step;
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b);
@@ -295,8 +283,10 @@ class DataParallel {
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
-    result.updated = true;
-    result.step = step_;
+    if (!decided)
+      result = {.updated = true, .step = ++step_};
+    else if (options_.step_report == StepReport::deferred)
+      result.pending = true;
     scope.leave();
     return result;
   }
@@ -312,10 +302,11 @@ class DataParallel {
   /// It returns true while every rank has one and false on every rank as soon as any rank has none, so the ranks with
   /// more batches drop their extra ones. Stopping inside an accumulation window leaves that window's gradients unused.
   /// It also checks the rule: if the ranks have taken different numbers of micro-steps so far, every rank throws
-  /// tandem::error naming them. Costs one all-gather of two words per rank.
+  /// tandem::error naming them. Costs one all-gather of two words per rank. Under StepReport::deferred it then reports
+  /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
   bool all_ranks_have_batch(Batch mine) {
-    const std::uint64_t taken = (step_ + skipped_) * static_cast<std::uint64_t>(options_.accumulation_steps) +
-                                static_cast<std::uint64_t>(micro_);
+    const std::uint64_t taken =
+        windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
     // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
     const std::uint64_t said = mine == Batch::available ? 0u : mine == Batch::exhausted ? 1u : 2u;
     const std::vector<std::uint64_t> all = all_gather_words({said, taken});
@@ -332,6 +323,7 @@ class DataParallel {
                      "every micro-step on every rank)");
       if (w[0] != 0) available = false;
     }
+    if (options_.step_report == StepReport::deferred) last_step();  // after the gather: no rank leaves a peer in it
     return available;
   }
 
@@ -356,12 +348,18 @@ class DataParallel {
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
-    const StreamScope scope(*this, Exit::stay);      // the parameters as the user's stream left them; tandem only reads
-    step_ = control_.step(backend_, work_stream());  // replays of a captured step advanced the backend's count only
+    const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
     std::string problem;
+    try {
+      // the step count the checkpoint records: replays of a captured step advanced the device's count only; steps
+      // refused since the last report (StepReport::deferred) fail the save on every rank
+      report(control_.record(backend_, work_stream()), "save_checkpoint");
+    } catch (const error& e) {
+      problem = e.what();
+    }
     std::uint64_t id = 0;
     try {
-      std::filesystem::create_directories(dir);
+      if (problem.empty()) std::filesystem::create_directories(dir);
       if (rank_ == 0) id = detail::new_save_id();
     } catch (const std::exception& e) {
       problem = "tandem: save_checkpoint: cannot create the directory `" + dir + "`: " + e.what();
@@ -488,7 +486,9 @@ class DataParallel {
           backend_.zero(state_.state(k), state_.held().state * sizeof(float), work_stream());
       }
     }
+    reported_ = control_.record(backend_, work_stream());  // steps refused before the load are not reported
     step_ = step;
+    windows_ = step;
     control_.set_step(backend_, step, work_stream());
     reset_window();
     gathered_.forget();
@@ -675,11 +675,25 @@ class DataParallel {
   const Layout& layout() const { return layout_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
-  /// Optimizer steps taken, as counted by step(). Replays of a step captured in a CUDA graph advance the backend's
-  /// count only (docs/cuda.md, "Capturing a step"); save_checkpoint reads that count, and this follows it from then.
+  /// Optimizer steps taken, as last reported: by step() (StepReport::at_step), or by last_step(),
+  /// all_ranks_have_batch() or save_checkpoint(), which read the device's count. Replays of a step captured in a CUDA
+  /// graph advance the device's count only (docs/cuda.md, "Capturing a step").
   std::uint64_t step_count() const { return step_; }
-  /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step).
+  /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step), as last reported (see step_count()).
   std::uint64_t skipped_steps() const { return skipped_; }
+
+  /// The latest optimizer step's outcome (updated or skipped, the step count, the norm and the clip coefficient): what
+  /// step() returned for it under StepReport::at_step, and the way to learn it under StepReport::deferred. It reads
+  /// the device's record after everything the user's stream and tandem's work stream hold so far (a host wait, which
+  /// includes replays of a captured step), and step_count() and skipped_steps() follow it. Throws tandem::error for the
+  /// optimizer steps refused since the last report (NonFinite::throw_error, optimizer options that differ between
+  /// ranks); every rank's device made the same verdicts, so every rank that asks throws alike. Before the first
+  /// optimizer step, and after a load, `updated` and `skipped` are false. Not collective.
+  StepResult last_step() {
+    if (!live_.yes) detail::fail("tandem: last_step() on a DataParallel that has been moved from");
+    const StreamScope scope(*this, Exit::stay);
+    return report(control_.record(backend_, work_stream()), "last_step()");
+  }
   int micro_step() const { return micro_; }
   /// The number of buckets, for gradients(b); plan().bucket(b).tensors lists bucket b's tensors.
   std::size_t num_buckets() const { return plan_.num_buckets(); }
@@ -1448,6 +1462,48 @@ class DataParallel {
     return checks;
   }
 
+  /// Whether an optimizer step computes the global norm: for clipping or the non-finite check.
+  bool norm_checked() const { return options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore; }
+
+  /// The host's side of a step's record (StepControl::record): step_count() and skipped_steps() follow it, the
+  /// optimizer steps the device refused since the last report throw (the same on every rank: each rank's device made
+  /// the same verdicts), and the latest step is returned. `what` names the caller in the errors.
+  StepResult report(const detail::StepRecord& r, const char* what) {
+    const std::uint64_t refused = r.refused_steps - reported_.refused_steps;
+    const std::uint64_t non_finite = r.non_finite_steps - reported_.non_finite_steps;
+    reported_ = r;
+    step_ = r.step;
+    if (options_.non_finite == NonFinite::skip_step) skipped_ = r.non_finite_steps;
+    // at_step reports each step as it ends (the refused one is the next count's); deferred, several may be due
+    const bool late = options_.step_report == StepReport::deferred;
+    auto where = [&](std::uint64_t steps) {
+      return late ? std::to_string(steps) +
+                        " optimizer step(s) since the last report (StepReport::deferred; the step "
+                        "count is now " +
+                        std::to_string(r.step) + ")"
+                  : "optimizer step " + std::to_string(r.step + 1);
+    };
+    const std::string dropped = late ? "nothing was updated at them and their windows' gradients were dropped"
+                                     : "nothing was updated and the window's gradients were dropped";
+    if (refused > 0)
+      detail::fail("tandem: " + std::string(what) + ": the ranks' optimizer options differ at " + where(refused) +
+                   " (changed through optimizer_options() on some ranks only?); " + dropped +
+                   ": set the same options on every rank, and the next step() trains on");
+    if (non_finite > 0 && options_.non_finite == NonFinite::throw_error)
+      detail::fail("tandem: " + std::string(what) + ": non-finite gradients at " + where(non_finite) +
+                   (late ? std::string() : " (global norm " + std::to_string(r.grad_norm) + ")") + "; " + dropped +
+                   ", so the next step() starts a clean window (NonFinite::skip_step drops such steps without "
+                   "throwing)");
+    StepResult result{.updated = r.verdict == detail::StepVerdict::update,
+                      .skipped = r.verdict == detail::StepVerdict::non_finite,
+                      .step = r.step};
+    if (norm_checked() && (result.updated || result.skipped)) {
+      result.grad_norm = r.grad_norm;
+      result.clip_coefficient = r.clip_coefficient;
+    }
+    return result;
+  }
+
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
   TANDEM_COLD void init_masters(const StreamScope&) {
     if (state_.master() == nullptr) return;
@@ -1584,6 +1640,8 @@ class DataParallel {
   int micro_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t skipped_ = 0;
+  std::uint64_t windows_ = 0;    ///< accumulation windows ended (optimizer steps taken, skipped or refused)
+  detail::StepRecord reported_;  ///< the record last reported: its tallies are the refusals already thrown
   bool synced_ = false;
   /// False once moved from (the defaulted move constructor moves it last, like every member).
   struct Live {

@@ -25,6 +25,18 @@ enum class NonFinite {
   throw_error  ///< throw tandem::error on every rank
 };
 
+/// When step() learns what an optimizer step did. Either way the step's verdict (update; skip, for a non-finite norm;
+/// refuse, where the ranks' optimizer options differ) is made on the device, and the updates obey it there
+/// (docs/cuda.md, "The one host wait").
+enum class StepReport {
+  at_step,  ///< step() reads the verdict back, reports it in its StepResult and throws where it says so: one host wait
+            ///< per optimizer step with more than one rank, clipping or a non-finite check
+  deferred  ///< step() never waits for the device (a step can be captured in a CUDA graph whatever it checks): its
+            ///< StepResult is `pending`, and DataParallel::last_step() reads the latest verdict when asked. A step that
+            ///< NonFinite::throw_error or differing options refused throws at the next report: last_step(),
+            ///< all_ranks_have_batch() or save_checkpoint()
+};
+
 struct DataParallelOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
@@ -47,6 +59,7 @@ struct DataParallelOptions {
   /// fp16 overflows where the averaged sum exceeds 65504 (no loss scaling here: set non_finite to catch it); bf16
   /// keeps fp32's range with 8 bits of mantissa.
   DType reduce_dtype = DType::fp32;
+  StepReport step_report = StepReport::at_step;  ///< when step() reports an optimizer step's outcome
   Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };
 
@@ -71,6 +84,9 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
   if (options.parameter_buffers < 1)
     fail("tandem: DataParallelOptions::parameter_buffers is " + std::to_string(options.parameter_buffers) +
          "; it must be at least 1");
+  if (const auto n = static_cast<unsigned>(options.step_report); n > static_cast<unsigned>(StepReport::deferred))
+    fail("tandem: DataParallelOptions::step_report is " + std::to_string(n) +
+         ", not a StepReport (at_step or deferred)");
   if (const DType r = options.reduce_dtype; r != DType::fp32 && r != DType::bf16 && r != DType::fp16)
     fail(std::string("tandem: DataParallelOptions::reduce_dtype is ") +
          (r == DType::fp64 ? "fp64" : "DType " + std::to_string(static_cast<int>(r))) +

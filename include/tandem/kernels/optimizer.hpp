@@ -185,7 +185,8 @@ TANDEM_HD inline float clip_coefficient(double norm, float max_grad_norm) {
 enum class StepVerdict : std::uint32_t {
   update = 0,          ///< the optimizer runs
   options_differ = 1,  ///< the ranks' optimizer options have different fingerprints: nothing is updated
-  non_finite = 2       ///< the global norm is not finite and non-finite gradients skip the update
+  non_finite = 2,      ///< the global norm is not finite and non-finite gradients skip the update
+  none = 3             ///< no optimizer step since the count was set (SetStepBody)
 };
 
 /// What an optimizer step's decision reads: the reduced values in backend memory, and constants of the configuration.
@@ -203,7 +204,9 @@ struct StepRecord {
   double grad_norm = 0.0;         ///< the global norm before clipping (0 where not computed)
   float clip_coefficient = 1.0f;  ///< the factor clipping scaled the gradients by
   StepVerdict verdict = StepVerdict::update;
-  std::uint64_t step = 0;  ///< optimizer steps taken after this one
+  std::uint64_t step = 0;              ///< optimizer steps taken after this one
+  std::uint64_t non_finite_steps = 0;  ///< steps whose verdict was non_finite so far (0 where not counted)
+  std::uint64_t refused_steps = 0;     ///< steps whose verdict was options_differ so far (0 where not counted)
 };
 
 /// An optimizer step's decision and scalars, made in backend memory on the stream (one item, lane 0), where the update
@@ -211,9 +214,10 @@ struct StepRecord {
 /// update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update bodies then
 /// leave every array as it is. On an update the step count advances by one, the gradients' factor *grad_scale becomes
 /// average times the clip coefficient of the squared norm (1 without clipping), and each group's Scalars come from its
-/// options and the new count, by the same operations as on the host (Opt::scalars is host+device code). *record (if
-/// not null) receives the outcome. So nothing the host decides depends on a value the stream computes: the host may
-/// read the record, or not (docs/cuda.md, "Step scalars").
+/// options and the new count, by the same operations as on the host (Opt::scalars is host+device code). tallies (if
+/// not null) count the steps of each verdict that skips, and *record (if not null) receives the outcome. So nothing the
+/// host decides depends on a value the stream computes: the host may read the record, or not (docs/cuda.md, "Step
+/// scalars").
 template <class Opt>
 struct PrepareStepBody {
   std::uint64_t* step = nullptr;
@@ -222,8 +226,9 @@ struct PrepareStepBody {
   typename Opt::Scalars* scalars = nullptr;
   std::size_t groups = 0;
   StepChecks checks{};
-  std::uint32_t* skip = nullptr;  ///< null: the caller updates whatever the verdict
-  StepRecord* record = nullptr;   ///< null: not written
+  std::uint32_t* skip = nullptr;     ///< null: the caller updates whatever the verdict
+  StepRecord* record = nullptr;      ///< null: not written
+  std::uint64_t* tallies = nullptr;  ///< [non_finite steps, options_differ steps] so far (null: not counted)
 
   TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
     if (lane != 0) return;
@@ -239,12 +244,38 @@ struct PrepareStepBody {
     const bool update = r.verdict == StepVerdict::update;
     r.step = *step + (update ? 1 : 0);
     if (skip != nullptr) *skip = update ? 0u : 1u;
+    if (tallies != nullptr) {
+      if (r.verdict == StepVerdict::non_finite) ++tallies[0];
+      if (r.verdict == StepVerdict::options_differ) ++tallies[1];
+      r.non_finite_steps = tallies[0];
+      r.refused_steps = tallies[1];
+    }
     if (update) {
       *step = r.step;
       *grad_scale = mul_rn(checks.average, r.clip_coefficient);
       for (std::size_t g = 0; g < groups; ++g) scalars[g] = Opt::scalars(options[g], r.step);
     }
     if (record != nullptr) *record = r;
+  }
+};
+
+/// The step count set to `count` in stream order (construction, a checkpoint's load; one item, lane 0), and the record
+/// made to say that no step was taken since, with the tallies (PrepareStepBody) as they are.
+struct SetStepBody {
+  std::uint64_t* step = nullptr;
+  const std::uint64_t* tallies = nullptr;
+  StepRecord* record = nullptr;
+  std::uint64_t count = 0;
+
+  TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
+    if (lane != 0) return;
+    *step = count;
+    StepRecord r;
+    r.verdict = StepVerdict::none;
+    r.step = count;
+    r.non_finite_steps = tallies[0];
+    r.refused_steps = tallies[1];
+    *record = r;
   }
 };
 

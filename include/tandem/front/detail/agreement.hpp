@@ -67,7 +67,7 @@ TANDEM_COLD void all_ranks_succeed(Comm& comm, Backend& backend, const std::stri
 
 /// What must be equal on every rank for their DataParallel objects to work together, as words: the layout's
 /// fingerprint, size and element count (words 0-2), then the configuration (policy, optimizer and its options,
-/// DataParallelOptions, storage, world size).
+/// DataParallelOptions but the stream, storage, world size).
 struct Configuration {
   static constexpr std::size_t words = 14;
   std::uint64_t word[words] = {};
@@ -91,6 +91,7 @@ inline Configuration configuration_of(const Layout& layout, const char* policy, 
   w[9] = static_cast<std::uint64_t>(world);
   std::memcpy(&w[10], &options.max_grad_norm, sizeof(float));
   w[10] |= static_cast<std::uint64_t>(options.non_finite) << 32;
+  w[10] |= static_cast<std::uint64_t>(options.step_report) << 40;
   w[11] = static_cast<std::uint64_t>(options.gradient_buffers);
   w[12] = static_cast<std::uint64_t>(options.parameter_buffers);
   w[13] = static_cast<std::uint64_t>(options.reduce_dtype);
@@ -112,7 +113,8 @@ TANDEM_COLD inline void check_same_configuration(const std::vector<std::uint64_t
     if (!std::equal(w0 + 3, w0 + words, w + 3))
       fail("tandem: ranks 0 and " + std::to_string(r) +
            " constructed DataParallel differently (policy, optimizer or its options, accumulation_steps, bucket caps, "
-           "storage, world size, max_grad_norm, non_finite, gradient_buffers, parameter_buffers or reduce_dtype); "
+           "storage, world size, max_grad_norm, non_finite, step_report, gradient_buffers, parameter_buffers or "
+           "reduce_dtype); "
            "every rank must use the same configuration");
   }
 }

@@ -8,8 +8,9 @@
 // host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step scalars"),
 // and reads the step's record to report it.
 //
-//   step         uint64          optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
-//                                step advance this one only)
+//   counts       uint64[3]       optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
+//                                step advance this one only), then the steps skipped for a non-finite norm and those
+//                                refused for differing options, so far (the host learns of them from the record)
 //   grad_scale   fp32            the gradients' factor of the current step: averaging x clip coefficient
 //   skip         uint32          1 where the current step's verdict is not to update (the update bodies return)
 //   record       StepRecord      the current step's norm, clip coefficient, verdict and step count
@@ -45,11 +46,12 @@ class StepControl {
 
   /// Room for `groups` optimizer groups, and the step count set to `step` on stream s.
   StepControl(const Backend& backend, std::size_t groups, std::uint64_t step, Stream s)
-      : step_(allocate_named<std::uint64_t>(backend, 1, "the optimizer step count")),
+      : counts_(allocate_named<std::uint64_t>(backend, 3, "the optimizer step count")),
         grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")),
         skip_(allocate_named<std::uint32_t>(backend, 1, "the optimizer step's skip word")),
         record_(allocate_named<StepRecord>(backend, 1, "the optimizer step's record")) {
     reserve_groups(backend, groups);
+    backend.zero(counts_.data(), 3 * sizeof(std::uint64_t), s);
     set_step(backend, step, s);
   }
 
@@ -61,9 +63,12 @@ class StepControl {
     stored_.clear();  // the new buffer holds none: the next step stores them
   }
 
-  /// The step count becomes `step` in stream order (construction, a checkpoint's load).
+  /// The step count becomes `step` in stream order (construction, a checkpoint's load), and the record says that no
+  /// step was taken since.
   void set_step(const Backend& backend, std::uint64_t step, Stream s) {
-    backend.launch(1, StoreValuesBody<std::uint64_t, 1>{.out = step_.data(), .values = {step}, .count = 1}, s);
+    backend.launch(
+        1, SetStepBody{.step = counts_.data(), .tallies = counts_.data() + 1, .record = record_.data(), .count = step},
+        s);
   }
 
   /// The groups' options become those the updates read, in the order of stream s (launches of 8 options each).
@@ -88,18 +93,19 @@ class StepControl {
         std::memcmp(groups.data(), stored_.data(), groups.size() * sizeof(Options)) != 0)
       store_options(backend, groups, s);
     backend.launch(1,
-                   PrepareStepBody<Opt>{.step = step_.data(),
+                   PrepareStepBody<Opt>{.step = counts_.data(),
                                         .grad_scale = grad_scale_.data(),
                                         .options = options_.data(),
                                         .scalars = scalars_.data(),
                                         .groups = groups.size(),
                                         .checks = checks,
                                         .skip = skip_.data(),
-                                        .record = record_.data()},
+                                        .record = record_.data(),
+                                        .tallies = counts_.data() + 1},
                    s);
   }
 
-  /// The last prepared step's record, read back (waits for stream s).
+  /// The record of the last step prepared (or of set_step), read back (waits for stream s).
   StepRecord record(const Backend& backend, Stream s) const {
     StepRecord r;
     backend.read(&r, record_.data(), sizeof r, s);
@@ -109,7 +115,7 @@ class StepControl {
   /// The step count, read back (waits for stream s).
   std::uint64_t step(const Backend& backend, Stream s) const {
     std::uint64_t step = 0;
-    backend.read(&step, step_.data(), sizeof step, s);
+    backend.read(&step, counts_.data(), sizeof step, s);
     return step;
   }
 
@@ -120,7 +126,7 @@ class StepControl {
   const std::uint32_t* skip() const { return skip_.data(); }
 
  private:
-  Buffer<std::uint64_t> step_;
+  Buffer<std::uint64_t> counts_;
   Buffer<float> grad_scale_;
   Buffer<std::uint32_t> skip_;
   Buffer<StepRecord> record_;
