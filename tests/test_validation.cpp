@@ -145,7 +145,8 @@ TEST_CASE("optimizer options changed between steps are validated; state cannot a
 // learning rates and silently diverged. The options' fingerprint rides on the step's scalar all-reduce (with the norm
 // where there is one); the next step throws on every rank before anything is updated, and once the ranks agree again
 // they train on exactly as if the refused step had never been taken. Under StepReport::deferred the step does not
-// throw, updates nothing all the same (the device refused it), and the next last_step() throws on every rank.
+// throw, updates nothing all the same (the device refused it), and the next report (last_step() at two ranks,
+// all_ranks_have_batch() at three) throws on every rank.
 TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step throws on every rank, updating nothing",
                    P, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded, tandem::ParameterSharded) {
   const std::vector<int> sizes = {13, 37, 29, 7};
@@ -197,7 +198,8 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
             try {
               const tandem::StepResult r = dp.step();
               CHECK(r.pending == (report == tandem::StepReport::deferred));
-              if (r.pending) dp.last_step();
+              if (r.pending && world == 2) dp.last_step();
+              if (r.pending && world == 3) dp.all_ranks_have_batch(tandem::Batch::available);  // reports too
             } catch (const tandem::error& e) {
               std::lock_guard lock(m);
               messages[static_cast<std::size_t>(comm.rank())] = e.what();
@@ -221,8 +223,10 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
         for (const std::string& msg : messages)
           CHECK(msg.find(report == tandem::StepReport::at_step
                              ? "step(): the ranks' optimizer options differ at optimizer step 2"
-                             : "last_step(): the ranks' optimizer options differ at 1 optimizer step(s) since the last "
-                               "report") != std::string::npos);
+                         : world == 2 ? "last_step(): the ranks' optimizer options differ at 1 optimizer step(s) "
+                                        "since the last report"
+                                      : "all_ranks_have_batch: the ranks' optimizer options differ at 1 optimizer "
+                                        "step(s) since the last report") != std::string::npos);
       }
     }
 }

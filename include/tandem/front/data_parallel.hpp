@@ -323,7 +323,8 @@ class DataParallel {
                      "every micro-step on every rank)");
       if (w[0] != 0) available = false;
     }
-    if (options_.step_report == StepReport::deferred) last_step();  // after the gather: no rank leaves a peer in it
+    // after the gather: a rank that throws leaves no peer waiting in it
+    if (options_.step_report == StepReport::deferred) report_latest("all_ranks_have_batch");
     return available;
   }
 
@@ -691,8 +692,7 @@ class DataParallel {
   /// optimizer step, and after a load, `updated` and `skipped` are false. Not collective.
   StepResult last_step() {
     if (!live_.yes) detail::fail("tandem: last_step() on a DataParallel that has been moved from");
-    const StreamScope scope(*this, Exit::stay);
-    return report(control_.record(backend_, work_stream()), "last_step()");
+    return report_latest("last_step()");
   }
   int micro_step() const { return micro_; }
   /// The number of buckets, for gradients(b); plan().bucket(b).tensors lists bucket b's tensors.
@@ -1502,6 +1502,12 @@ class DataParallel {
       result.clip_coefficient = r.clip_coefficient;
     }
     return result;
+  }
+
+  /// report() of the latest step's record, read after everything the user's stream and the work stream hold so far.
+  StepResult report_latest(const char* what) {
+    const StreamScope scope(*this, Exit::stay);
+    return report(control_.record(backend_, work_stream()), what);
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).

@@ -32,9 +32,9 @@ enum class StepReport {
   at_step,  ///< step() reads the verdict back, reports it in its StepResult and throws where it says so: one host wait
             ///< per optimizer step with more than one rank, clipping or a non-finite check
   deferred  ///< step() never waits for the device (a step can be captured in a CUDA graph whatever it checks): its
-            ///< StepResult is `pending`, and DataParallel::last_step() reads the latest verdict when asked. A step that
-            ///< NonFinite::throw_error or differing options refused throws at the next report: last_step(),
-            ///< all_ranks_have_batch() or save_checkpoint()
+            ///< StepResult is `pending` where the device decides, and DataParallel::last_step() reads the latest
+            ///< verdict when asked. A step that NonFinite::throw_error or differing options refused throws at the next
+            ///< report: last_step(), all_ranks_have_batch() or save_checkpoint()
 };
 
 struct DataParallelOptions {

@@ -215,9 +215,9 @@ struct StepRecord {
 /// leave every array as it is. On an update the step count advances by one, the gradients' factor *grad_scale becomes
 /// average times the clip coefficient of the squared norm (1 without clipping), and each group's Scalars come from its
 /// options and the new count, by the same operations as on the host (Opt::scalars is host+device code). tallies (if
-/// not null) count the steps of each verdict that skips, and *record (if not null) receives the outcome. So nothing the
-/// host decides depends on a value the stream computes: the host may read the record, or not (docs/cuda.md, "Step
-/// scalars").
+/// not null) count the steps of each verdict that skips, and *record (if not null) receives the outcome. So what the
+/// updates do depends on no value the host read: the host may read the record before it launches them, later, or
+/// never (docs/cuda.md, "The one host wait").
 template <class Opt>
 struct PrepareStepBody {
   std::uint64_t* step = nullptr;
