@@ -674,6 +674,75 @@ TEST_CASE_TEMPLATE(
   CHECK(eager[0].w != QuadraticProblem(n).w);
 }
 
+TEST_CASE_TEMPLATE(
+    "deferred: options changed on one rank between replays are refused, and all_ranks_have_batch throws on every rank "
+    "whichever ranks called last_step()",
+    Policy, tandem::Replicated, tandem::GradientSharded) {
+  // The options check all-reduces the lanes stored with the options (store_optimizer_options), not values fixed at
+  // capture: a replay after rank 1 alone stored another lr is refused on the device, on both ranks. Rank 0 alone asks
+  // last_step() and throws; the collective report then throws on both ranks, rank 0 included.
+  constexpr std::size_t n = 3000;
+  std::vector<std::string> at_last(2), at_batch(2);
+  std::vector<std::vector<float>> before(2), after(2);
+  std::vector<std::uint64_t> steps(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    const auto rank = static_cast<std::size_t>(comm.rank());
+    QuadraticProblem problem(n);
+    tandem::HostStream user;
+    tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
+        comm, {{"w", problem.w.data(), problem.g.data(), n}}, {.lr = 1e-2f},
+        {.bucket_cap_bytes = 4096, .step_report = tandem::StepReport::deferred, .stream = user.stream()},
+        tandem::StreamHostBackend{});
+    dp.broadcast_parameters();
+    const tandem::StreamHostBackend launcher;
+    auto optimizer_step = [&] {
+      launcher.launch(1, problem.gradient(), user.stream());
+      dp.step();
+    };
+    auto set_lr = [&](float lr) {  // rank 1's lr; every rank stores its options
+      if (rank == 1) dp.optimizer_options().lr = lr;
+      dp.store_optimizer_options();
+    };
+    optimizer_step();  // step 1, eager
+    user.begin_capture();
+    optimizer_step();
+    const tandem::HostGraph graph = user.end_capture();
+    graph.replay();  // step 2
+    user.synchronize();
+    before[rank] = problem.w;
+    set_lr(2e-2f);
+    graph.replay();  // refused: the ranks' options differ
+    user.synchronize();
+    after[rank] = problem.w;
+    if (rank == 0) {
+      try {
+        dp.last_step();
+      } catch (const tandem::error& e) {
+        at_last[rank] = e.what();
+      }
+    }
+    try {
+      dp.all_ranks_have_batch(tandem::Batch::available);
+    } catch (const tandem::error& e) {
+      at_batch[rank] = e.what();
+    }
+    set_lr(1e-2f);
+    graph.replay();  // step 3: the same options again
+    user.synchronize();
+    steps[rank] = dp.last_step().step;
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(after[r] == before[r]);
+    CHECK(steps[r] == 3);
+    CHECK(at_batch[r].find("all_ranks_have_batch: the ranks' optimizer options differ at 1 optimizer step(s)") !=
+          std::string::npos);
+  }
+  CHECK(at_last[0].find("last_step(): the ranks' optimizer options differ at 1 optimizer step(s)") !=
+        std::string::npos);
+  CHECK(at_last[1].empty());
+}
+
 TEST_CASE("last_step() reports no step before the first optimizer step and after a load, else the latest step") {
   constexpr std::size_t n = 100;
   const std::string dir = test::temp_path("last_step");

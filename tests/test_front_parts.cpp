@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -265,12 +267,17 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   tandem::detail::StepControl<tandem::SGD, tandem::StreamHostBackend> control(be, 3, 7, s);
   // 11 groups: more than one store launch carries (8)
   control.reserve_groups(be, 11);
+  // one step as DataParallel makes it: the options stored where they changed, then the verdict and scalars
+  auto prepare = [&](const std::vector<tandem::SGDOptions>& groups, const tandem::detail::StepChecks& checks) {
+    control.store_changed_options(be, groups, {}, s);
+    control.prepare(be, groups.size(), checks, s);
+  };
   std::vector<tandem::SGDOptions> groups;
   for (int g = 0; g < 11; ++g) groups.push_back({.lr = 0.1f * static_cast<float>(g + 1), .momentum = 0.5f});
   const std::vector<double> squares(1, 100.0);  // norm 10 * 0.5 = 5 against a maximum of 1
   const tandem::StreamHostBackend::Buffer<double> sum = be.allocate<double>(1);
   be.copy(sum.data(), squares.data(), sizeof(double), s);
-  control.prepare(be, groups, {.sum_of_squares = sum.data(), .average = 0.5f, .max_grad_norm = 1.0f}, s);
+  prepare(groups, {.sum_of_squares = sum.data(), .average = 0.5f, .max_grad_norm = 1.0f});
   const tandem::detail::StepRecord record = control.record(be, s);
   CHECK(record.verdict == tandem::detail::StepVerdict::update);
   CHECK(record.step == 8);
@@ -290,7 +297,7 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   // the count set again (a checkpoint's load at step 0): the next step is the first
   control.set_step(be, 0, s);
   groups.resize(2);
-  control.prepare(be, groups, {.average = 0.25f}, s);
+  prepare(groups, {.average = 0.25f});
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   be.read(&scale, control.grad_scale(), sizeof scale, s);
   CHECK(got[0].first_step);
@@ -299,23 +306,23 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   // options changed between steps are stored by the next step, and so are those given to store_options (that a step
   // with the options of the last store launches no store is tested through a captured step in test_data_parallel)
   groups[1].lr = 0.75f;
-  control.prepare(be, groups, {}, s);
+  prepare(groups, {});
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.1f);
   CHECK(got[1].lr == 0.75f);
   groups[0].lr = 0.5f;
-  control.store_options(be, groups, s);
-  control.prepare(be, groups, {}, s);
+  control.store_options(be, groups, {}, s);
+  prepare(groups, {});
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.5f);
   CHECK(got[1].lr == 0.75f);
   groups.resize(12);
-  CHECK_THROWS_WITH_AS(control.prepare(be, groups, {}, s), doctest::Contains("more optimizer groups"), tandem::error);
+  CHECK_THROWS_WITH_AS(prepare(groups, {}), doctest::Contains("more optimizer groups"), tandem::error);
   // room for more groups is a new buffer (set_optimizer_groups, even one that then fails and keeps the old groups):
   // the next step stores the options again, although they did not change
   groups.resize(2);
   control.reserve_groups(be, 20);
-  control.prepare(be, groups, {}, s);
+  prepare(groups, {});
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);
   CHECK(got[0].lr == 0.5f);
   CHECK(got[1].lr == 0.75f);
@@ -323,16 +330,30 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   const double inf = std::numeric_limits<double>::infinity();
   be.copy(sum.data(), &inf, sizeof inf, s);
   const std::uint64_t at = control.step(be, s);
-  control.prepare(be, groups, {.sum_of_squares = sum.data(), .skip_non_finite = true}, s);
+  prepare(groups, {.sum_of_squares = sum.data(), .skip_non_finite = true});
   std::uint32_t skip = 0;
   be.read(&skip, control.skip(), sizeof skip, s);
   CHECK(skip == 1);
   CHECK(control.step(be, s) == at);
   CHECK(control.record(be, s).verdict == tandem::detail::StepVerdict::non_finite);
-  control.prepare(be, groups, {}, s);
+  prepare(groups, {});
   be.read(&skip, control.skip(), sizeof skip, s);
   CHECK(skip == 0);
   CHECK(control.step(be, s) == at + 1);
+  // the options' fingerprint lanes (more than one rank) are stored with the options, and again when they change alone
+  // (set_optimizer_groups may change the fingerprint but not the options)
+  auto lanes_read = [&] {
+    std::array<double, 4> l{};
+    be.read(l.data(), control.lanes(), sizeof l, s);
+    return l;
+  };
+  const std::array<double, 4> lanes{1.0, 1.0, 3.0, 9.0}, other{2.0, 4.0, 3.0, 9.0};
+  control.store_options(be, groups, lanes, s);
+  CHECK(lanes_read() == lanes);
+  control.store_changed_options(be, groups, other, s);
+  CHECK(lanes_read() == other);
+  CHECK_THROWS_WITH_AS(control.store_options(be, groups, std::span<const double>(lanes.data(), 3), s),
+                       doctest::Contains("4 lanes"), tandem::error);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

@@ -258,7 +258,8 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
-    control_.prepare(backend_, groups_, boundary_scalars(scope, norm_checked(), average), work_stream());
+    store_options(Store::changed);  // before the scalar all-reduce copies their lanes
+    control_.prepare(backend_, groups_.size(), boundary_scalars(scope, norm_checked(), average), work_stream());
     ++windows_;
     // The device decided (PrepareStepBody), and the updates obey its verdict there. With StepReport::at_step the host
     // reads it back before launching them, to report it (and to launch none for a step that does not update). With
@@ -268,12 +269,12 @@ class DataParallel {
     if (decided && options_.step_report == StepReport::at_step) {
       const detail::StepRecord record = control_.record(backend_, work_stream());
       if (record.verdict != detail::StepVerdict::update) {
-        drop_window();                      // the next window starts clean: the caller may go on (or load a checkpoint)
-        result = report(record, "step()");  // throws where the verdict says so
+        drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
+        result = report(record, "step()", Reach::every_rank);  // throws where the verdict says so
         scope.leave();
         return result;
       }
-      result = report(record, "step()");
+      result = report(record, "step()", Reach::every_rank);
     }
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
@@ -324,7 +325,7 @@ class DataParallel {
       if (w[0] != 0) available = false;
     }
     // after the gather: a rank that throws leaves no peer waiting in it
-    if (options_.step_report == StepReport::deferred) report_latest("all_ranks_have_batch");
+    if (options_.step_report == StepReport::deferred) report_latest("all_ranks_have_batch", Reach::every_rank);
     return available;
   }
 
@@ -354,7 +355,7 @@ class DataParallel {
     try {
       // the step count the checkpoint records: replays of a captured step advanced the device's count only; steps
       // refused since the last report (StepReport::deferred) fail the save on every rank
-      report(control_.record(backend_, work_stream()), "save_checkpoint");
+      report(control_.record(backend_, work_stream()), "save_checkpoint", Reach::every_rank);
     } catch (const error& e) {
       problem = e.what();
     }
@@ -487,7 +488,7 @@ class DataParallel {
           backend_.zero(state_.state(k), state_.held().state * sizeof(float), work_stream());
       }
     }
-    reported_ = control_.record(backend_, work_stream());  // steps refused before the load are not reported
+    reported_ = reported_together_ = control_.record(backend_, work_stream());  // refusals before the load: dropped
     step_ = step;
     windows_ = step;
     control_.set_step(backend_, step, work_stream());
@@ -687,12 +688,14 @@ class DataParallel {
   /// step() returned for it under StepReport::at_step, and the way to learn it under StepReport::deferred. It reads
   /// the device's record after everything the user's stream and tandem's work stream hold so far (a host wait, which
   /// includes replays of a captured step), and step_count() and skipped_steps() follow it. Throws tandem::error for the
-  /// optimizer steps refused since the last report (NonFinite::throw_error, optimizer options that differ between
-  /// ranks); every rank's device made the same verdicts, so every rank that asks throws alike. Before the first
-  /// optimizer step, and after a load, `updated` and `skipped` are false. Not collective.
+  /// optimizer steps refused since this rank's last report (NonFinite::throw_error, optimizer options that differ
+  /// between ranks). Not collective: every rank's device made the same verdicts, so the ranks that ask throw alike, but
+  /// only they do; all_ranks_have_batch() and save_checkpoint() throw on every rank for the refusals they have not
+  /// reported together, whichever ranks called last_step() since. Before the first optimizer step, and after a load,
+  /// `updated` and `skipped` are false.
   StepResult last_step() {
     if (!live_.yes) detail::fail("tandem: last_step() on a DataParallel that has been moved from");
-    return report_latest("last_step()");
+    return report_latest("last_step()", Reach::rank);
   }
   int micro_step() const { return micro_; }
   /// The number of buckets, for gradients(b); plan().bucket(b).tensors lists bucket b's tensors.
@@ -849,7 +852,7 @@ class DataParallel {
     if (!live_.yes) detail::fail("tandem: store_optimizer_options() on a DataParallel that has been moved from");
     check_groups("store_optimizer_options()");
     StreamScope scope(*this, Exit::leave);
-    control_.store_options(backend_, groups_, work_stream());
+    store_options(Store::always);
     scope.leave();
   }
 
@@ -1447,13 +1450,8 @@ class DataParallel {
       checks.sum_of_squares = total;
     }
     if (check) {
-      const std::array<double, lanes> mine = detail::WordAgreement::encode(optimizer_fingerprint(), world_);
-      // a literal size: nvcc 13 would spell a later StoreValuesBody<double, 4> with a named constant here as
-      // `unsigned long(...)` in its host code, which host compilers reject
-      StoreValuesBody<double, 4> store{.out = total + 1, .count = lanes};
-      static_assert(lanes <= std::size(store.values));
-      std::copy(mine.begin(), mine.end(), store.values);
-      backend_.launch(1, store, work_stream());
+      // the lanes of the options stored last, in stream order: a captured step checks those stored before each replay
+      backend_.copy(total + 1, control_.lanes(), lanes * sizeof(double), work_stream());
       const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
       double* first = with_total ? total : total + 1;
       comm_.all_reduce(first, first, lanes + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum, work_stream());
@@ -1462,16 +1460,39 @@ class DataParallel {
     return checks;
   }
 
+  /// When the optimizer options are stored for the updates (StepControl).
+  enum class Store { changed, always };
+
+  /// The optimizer options stored for the updates, with their fingerprint's lanes (the options check across ranks; none
+  /// at one rank), where they changed since the last store or always.
+  void store_options(Store when) {
+    const std::array<double, detail::WordAgreement::lanes> mine =
+        world_ > 1 ? detail::WordAgreement::encode(optimizer_fingerprint(), world_)
+                   : std::array<double, detail::WordAgreement::lanes>{};
+    const std::span<const double> lanes(mine.data(), world_ > 1 ? mine.size() : 0);
+    if (when == Store::always)
+      control_.store_options(backend_, groups_, lanes, work_stream());
+    else
+      control_.store_changed_options(backend_, groups_, lanes, work_stream());
+  }
+
   /// Whether an optimizer step computes the global norm: for clipping or the non-finite check.
   bool norm_checked() const { return options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore; }
 
+  /// Who makes a report: the calling rank alone (last_step()), or every rank at the same point (step() under
+  /// StepReport::at_step, all_ranks_have_batch(), save_checkpoint()).
+  enum class Reach { rank, every_rank };
+
   /// The host's side of a step's record (StepControl::record): step_count() and skipped_steps() follow it, the
-  /// optimizer steps the device refused since the last report throw (the same on every rank: each rank's device made
-  /// the same verdicts), and the latest step is returned. `what` names the caller in the errors.
-  StepResult report(const detail::StepRecord& r, const char* what) {
-    const std::uint64_t refused = r.refused_steps - reported_.refused_steps;
-    const std::uint64_t non_finite = r.non_finite_steps - reported_.non_finite_steps;
+  /// optimizer steps the device refused since the last report of this reach (this rank's, or every rank's together)
+  /// throw, and the latest step is returned. Each rank's device made the same verdicts, so the ranks of a report of
+  /// every rank throw alike. `what` names the caller in the errors.
+  StepResult report(const detail::StepRecord& r, const char* what, Reach reach) {
+    const detail::StepRecord& since = reach == Reach::every_rank ? reported_together_ : reported_;
+    const std::uint64_t refused = r.refused_steps - since.refused_steps;
+    const std::uint64_t non_finite = r.non_finite_steps - since.non_finite_steps;
     reported_ = r;
+    if (reach == Reach::every_rank) reported_together_ = r;
     step_ = r.step;
     if (options_.non_finite == NonFinite::skip_step) skipped_ = r.non_finite_steps;
     // at_step reports each step as it ends (the refused one is the next count's); deferred, several may be due
@@ -1494,9 +1515,10 @@ class DataParallel {
                    (late ? std::string() : " (global norm " + std::to_string(r.grad_norm) + ")") + "; " + dropped +
                    ", so the next step() starts a clean window (NonFinite::skip_step drops such steps without "
                    "throwing)");
-    StepResult result{.updated = r.verdict == detail::StepVerdict::update,
-                      .skipped = r.verdict == detail::StepVerdict::non_finite,
-                      .step = r.step};
+    StepResult result{
+        .updated = r.verdict == detail::StepVerdict::update,
+        .skipped = r.verdict == detail::StepVerdict::non_finite && options_.non_finite == NonFinite::skip_step,
+        .step = r.step};
     if (norm_checked() && (result.updated || result.skipped)) {
       result.grad_norm = r.grad_norm;
       result.clip_coefficient = r.clip_coefficient;
@@ -1505,9 +1527,9 @@ class DataParallel {
   }
 
   /// report() of the latest step's record, read after everything the user's stream and the work stream hold so far.
-  StepResult report_latest(const char* what) {
+  StepResult report_latest(const char* what, Reach reach) {
     const StreamScope scope(*this, Exit::stay);
-    return report(control_.record(backend_, work_stream()), what);
+    return report(control_.record(backend_, work_stream()), what, reach);
   }
 
   /// master = float(param) over the owned ranges (16-bit parameters; fp32 parameters are their own master).
@@ -1646,8 +1668,9 @@ class DataParallel {
   int micro_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t skipped_ = 0;
-  std::uint64_t windows_ = 0;    ///< accumulation windows ended (optimizer steps taken, skipped or refused)
-  detail::StepRecord reported_;  ///< the record last reported: its tallies are the refusals already thrown
+  std::uint64_t windows_ = 0;             ///< accumulation windows ended (optimizer steps taken, skipped or refused)
+  detail::StepRecord reported_;           ///< the record this rank last reported: its tallies were thrown here
+  detail::StepRecord reported_together_;  ///< the record every rank last reported together (Reach::every_rank)
   bool synced_ = false;
   /// False once moved from (the defaulted move constructor moves it last, like every member).
   struct Live {

@@ -15,9 +15,12 @@
 //   skip         uint32          1 where the current step's verdict is not to update (the update bodies return)
 //   record       StepRecord      the current step's norm, clip coefficient, verdict and step count
 //   options[g]   Opt::Options    group g's options, as last stored (by a step, or by store_options)
+//   lanes        fp64[4]         their fingerprint's WordAgreement lanes, stored with them (more than one rank), which
+//                                each step all-reduces: a captured step checks the options stored before each replay
 //   scalars[g]   Opt::Scalars    group g's per-step scalars of the current step
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -37,7 +40,9 @@ class StepControl {
   using Buffer = typename Backend::template Buffer<T>;
   using Options = typename Opt::Options;
   using Scalars = typename Opt::Scalars;
-  /// The launch that stores options, 8 at a time (a literal: see boundary_scalars in data_parallel.hpp).
+  /// The launch that stores options, 8 at a time. Its sizes are literals: nvcc 13 spells a StoreValuesBody
+  /// specialization first written with a named constant as `unsigned long(...)` in its host code, which host compilers
+  /// reject.
   using OptionsStore = StoreValuesBody<Options, 8>;
   static constexpr std::size_t options_per_store = OptionsStore::capacity;
 
@@ -46,7 +51,8 @@ class StepControl {
 
   /// Room for `groups` optimizer groups, and the step count set to `step` on stream s.
   StepControl(const Backend& backend, std::size_t groups, std::uint64_t step, Stream s)
-      : counts_(allocate_named<std::uint64_t>(backend, 3, "the optimizer step count")),
+      : lanes_(allocate_named<double>(backend, WordAgreement::lanes, "the optimizer options' fingerprint lanes")),
+        counts_(allocate_named<std::uint64_t>(backend, 3, "the optimizer step count")),
         grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")),
         skip_(allocate_named<std::uint32_t>(backend, 1, "the optimizer step's skip word")),
         record_(allocate_named<StepRecord>(backend, 1, "the optimizer step's record")) {
@@ -71,33 +77,51 @@ class StepControl {
         s);
   }
 
-  /// The groups' options become those the updates read, in the order of stream s (launches of 8 options each).
-  void store_options(const Backend& backend, std::span<const Options> groups, Stream s) {
+  /// The groups' options become those the updates read, and `lanes` (their fingerprint's WordAgreement lanes; empty
+  /// at one rank) those the options check all-reduces, in the order of stream s (launches of 8 options each).
+  void store_options(const Backend& backend, std::span<const Options> groups, std::span<const double> lanes, Stream s) {
     if (groups.size() > options_.size()) fail("tandem: internal error: more optimizer groups than StepControl holds");
+    if (lanes.size() != 0 && lanes.size() != WordAgreement::lanes)
+      fail("tandem: internal error: an options fingerprint has 4 lanes");
     for (std::size_t g = 0; g < groups.size(); g += options_per_store) {
       OptionsStore store{.out = options_.data() + g};
       for (; store.count < options_per_store && g + store.count < groups.size(); ++store.count)
         store.values[store.count] = groups[g + store.count];
       backend.launch(1, store, s);
     }
+    if (!lanes.empty()) {
+      // a literal size, as for OptionsStore
+      StoreValuesBody<double, 4> store{.out = lanes_.data(), .count = WordAgreement::lanes};
+      static_assert(WordAgreement::lanes == std::size(store.values));
+      std::copy(lanes.begin(), lanes.end(), store.values);
+      backend.launch(1, store, s);
+    }
     stored_.assign(groups.begin(), groups.end());
+    stored_lanes_.assign(lanes.begin(), lanes.end());
   }
 
-  /// One optimizer step's verdict and scalars, on stream s: the groups' options are stored where they differ from the
-  /// last ones stored (bytewise), then PrepareStepBody decides from `checks` (the reduced values it names, in backend
-  /// memory) whether the step updates, and if so advances the step count and computes each group's Scalars and the
-  /// gradients' factor. A step whose options did not change launches no store: captured, it reads the options that
-  /// store_options() last stored before each replay.
-  void prepare(const Backend& backend, std::span<const Options> groups, const StepChecks& checks, Stream s) {
+  /// store_options() where the options or the lanes differ from those last stored (bytewise), as at each optimizer
+  /// step: a step whose options did not change launches no store, so, captured, it reads the options (and checks the
+  /// lanes) that store_options() last stored before each replay.
+  void store_changed_options(const Backend& backend, std::span<const Options> groups, std::span<const double> lanes,
+                             Stream s) {
     if (groups.size() != stored_.size() ||
-        std::memcmp(groups.data(), stored_.data(), groups.size() * sizeof(Options)) != 0)
-      store_options(backend, groups, s);
+        std::memcmp(groups.data(), stored_.data(), groups.size() * sizeof(Options)) != 0 ||
+        !std::equal(lanes.begin(), lanes.end(), stored_lanes_.begin(), stored_lanes_.end()))
+      store_options(backend, groups, lanes, s);
+  }
+
+  /// One optimizer step's verdict and scalars, on stream s (after store_changed_options): PrepareStepBody decides from
+  /// `checks` (the reduced values it names, in backend memory) whether the step updates, and if so advances the step
+  /// count and computes each of the `groups` groups' Scalars and the gradients' factor.
+  void prepare(const Backend& backend, std::size_t groups, const StepChecks& checks, Stream s) {
+    if (groups > stored_.size()) fail("tandem: internal error: a step of optimizer groups never stored");
     backend.launch(1,
                    PrepareStepBody<Opt>{.step = counts_.data(),
                                         .grad_scale = grad_scale_.data(),
                                         .options = options_.data(),
                                         .scalars = scalars_.data(),
-                                        .groups = groups.size(),
+                                        .groups = groups,
                                         .checks = checks,
                                         .skip = skip_.data(),
                                         .record = record_.data(),
@@ -122,17 +146,21 @@ class StepControl {
   /// Group g's Scalars and the gradients' factor of the step prepare() made (backend memory).
   const Scalars* scalars(std::size_t g) const { return scalars_.data() + g; }
   const float* grad_scale() const { return grad_scale_.data(); }
+  /// The options' fingerprint lanes last stored (backend memory), the options check's input.
+  const double* lanes() const { return lanes_.data(); }
   /// Nonzero where the step prepare() decided on does not update (backend memory).
   const std::uint32_t* skip() const { return skip_.data(); }
 
  private:
+  Buffer<double> lanes_;
   Buffer<std::uint64_t> counts_;
   Buffer<float> grad_scale_;
   Buffer<std::uint32_t> skip_;
   Buffer<StepRecord> record_;
   Buffer<Options> options_;
   Buffer<Scalars> scalars_;
-  std::vector<Options> stored_;  ///< the options last stored into options_, in stream order (host memory)
+  std::vector<Options> stored_;       ///< the options last stored into options_, in stream order (host memory)
+  std::vector<double> stored_lanes_;  ///< the lanes last stored into lanes_ (none at one rank)
 };
 
 }  // namespace tandem::detail
