@@ -329,17 +329,17 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   // a non-finite norm where it skips: the count stays and the skip word, which the updates read, is set
   const double inf = std::numeric_limits<double>::infinity();
   be.copy(sum.data(), &inf, sizeof inf, s);
-  const std::uint64_t at = control.step(be, s);
+  const std::uint64_t at = control.record(be, s).step;
   prepare(groups, {.sum_of_squares = sum.data(), .skip_non_finite = true});
   std::uint32_t skip = 0;
   be.read(&skip, control.skip(), sizeof skip, s);
   CHECK(skip == 1);
-  CHECK(control.step(be, s) == at);
+  CHECK(control.record(be, s).step == at);
   CHECK(control.record(be, s).verdict == tandem::detail::StepVerdict::non_finite);
   prepare(groups, {});
   be.read(&skip, control.skip(), sizeof skip, s);
   CHECK(skip == 0);
-  CHECK(control.step(be, s) == at + 1);
+  CHECK(control.record(be, s).step == at + 1);
   // the options' fingerprint lanes (more than one rank) are stored with the options, and again when they change alone
   // (set_optimizer_groups may change the fingerprint but not the options)
   auto lanes_read = [&] {

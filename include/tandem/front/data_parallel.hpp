@@ -268,13 +268,13 @@ class DataParallel {
     StepResult result;
     if (decided && options_.step_report == StepReport::at_step) {
       const detail::StepRecord record = control_.record(backend_, work_stream());
-      if (record.verdict != detail::StepVerdict::update) {
-        drop_window();  // the next window starts clean: the caller may go on (or load a checkpoint)
-        result = report(record, "step()", Reach::every_rank);  // throws where the verdict says so
+      // a step that does not update: the next window starts clean, the caller may go on (or load a checkpoint)
+      if (record.verdict != detail::StepVerdict::update) drop_window();
+      result = report(record, "step()", Reach::every_rank);  // throws where the verdict says so
+      if (!result.updated) {
         scope.leave();
         return result;
       }
-      result = report(record, "step()", Reach::every_rank);
     }
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {

@@ -136,13 +136,6 @@ class StepControl {
     return r;
   }
 
-  /// The step count, read back (waits for stream s).
-  std::uint64_t step(const Backend& backend, Stream s) const {
-    std::uint64_t step = 0;
-    backend.read(&step, counts_.data(), sizeof step, s);
-    return step;
-  }
-
   /// Group g's Scalars and the gradients' factor of the step prepare() made (backend memory).
   const Scalars* scalars(std::size_t g) const { return scalars_.data() + g; }
   const float* grad_scale() const { return grad_scale_.data(); }
