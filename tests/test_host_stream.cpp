@@ -8,7 +8,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -307,6 +309,104 @@ TEST_CASE_TEMPLATE("grad_ready for every tensor, then more work on the user's st
                     "step() updated the parameters while the user's stream read them");
       CHECK_FALSE(test::bitwise_equal(t.params, before));
     }
+  });
+}
+
+namespace {
+
+/// A gate the comm stream's gradient reductions wait at until the test opens it (bounded: a stream protocol that
+/// waits for them where it must not fails the test instead of hanging it).
+struct Gate {
+  std::mutex mutex;
+  std::condition_variable opened;
+  bool open = false;
+  std::atomic<int> passed{0};
+  void pass() {
+    std::unique_lock lock(mutex);
+    opened.wait_for(lock, 10s, [this] { return open; });
+    ++passed;
+  }
+  void release() {
+    {
+      const std::lock_guard lock(mutex);
+      open = true;
+    }
+    opened.notify_all();
+  }
+};
+
+/// LocalComm whose fp32 all-reduces and reduce-scatters (the gradients') first wait at the gate, on their stream.
+struct GatedComm {
+  tandem::LocalComm& comm;
+  Gate& gate;
+  int rank() const { return comm.rank(); }
+  int size() const { return comm.size(); }
+  void all_reduce(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
+    hold(d, st);
+    comm.all_reduce(s, r, n, d, op, st);
+  }
+  void reduce_scatter(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
+    hold(d, st);
+    comm.reduce_scatter(s, r, n, d, op, st);
+  }
+  void all_gather(const void* s, void* r, std::size_t n, tandem::DType d, tandem::Stream st) {
+    comm.all_gather(s, r, n, d, st);
+  }
+  void broadcast(const void* s, void* r, std::size_t n, tandem::DType d, int root, tandem::Stream st) {
+    comm.broadcast(s, r, n, d, root, st);
+  }
+  void barrier() { comm.barrier(); }
+
+ private:
+  void hold(tandem::DType d, tandem::Stream st) {
+    if (d != tandem::DType::fp32) return;
+    tandem::HostStream* q = tandem::detail::host_queue(st);
+    REQUIRE(q != nullptr);
+    q->enqueue([g = &gate] { g->pass(); });
+  }
+};
+static_assert(tandem::Communicator<GatedComm>);
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a bucket is packed on the work stream while the previous bucket's reduction waits on the comm stream",
+                   Policy, tandem::Replicated, tandem::OptimizerSharded) {
+  // Copy mode, two buckets of one tensor each. Bucket 0's all-reduce (reduce-scatter) is held at the gate; the work
+  // stream must still pack bucket 1: it finishes its work while the gate is shut, and the pack has read tensor 0's
+  // gradients by then (they are changed afterwards, and the update does not see the change).
+  tandem::LocalGroup group(1);
+  group.run([&](tandem::LocalComm& local) {
+    Gate gate;
+    GatedComm comm{local, gate};
+    tandem::HostStream user;
+    Tensors t({1000, 1000});
+    const test::Params start = t.params;
+    tandem::StreamHostBackend backend;
+    const tandem::Stream work = backend.stream();
+    tandem::DataParallel<Policy, tandem::SGD, tandem::StreamHostBackend, GatedComm> dp(
+        comm, t.refs, {.lr = 0.5f},
+        {.bucket_cap_bytes = 4096, .first_bucket_cap_bytes = 4096, .stream = user.stream()}, std::move(backend));
+    REQUIRE(dp.num_buckets() == 2);
+    dp.broadcast_parameters();
+    const tandem::StreamHostBackend launcher;
+    launcher.launch(1, Task{[&t] {  // backward writes the gradients
+                      for (auto& g : t.grads) std::fill(g.begin(), g.end(), 1.0f);
+                    }},
+                    user.stream());
+    dp.grad_ready(1);  // bucket 0 (the last tensor): packed, then its reduction held at the gate
+    dp.grad_ready(0);  // bucket 1: packed on the work stream
+    auto packed = std::async(std::launch::async, [work] { tandem::detail::host_queue(work)->synchronize(); });
+    const bool beside = packed.wait_for(5s) == std::future_status::ready;
+    CHECK_MESSAGE(beside, "the work stream waited for bucket 0's reduction before packing bucket 1");
+    CHECK(gate.passed == 0);
+    std::fill(t.grads[0].begin(), t.grads[0].end(), 100.0f);  // too late for the pack, if it ran
+    gate.release();
+    packed.get();
+    CHECK(dp.step().updated);
+    user.synchronize();
+    CHECK(gate.passed == 2);
+    for (std::size_t i = 0; i < 2; ++i)
+      for (std::size_t e = 0; e < t.params[i].size(); e += 97) CHECK(t.params[i][e] == start[i][e] - 0.5f);
   });
 }
 

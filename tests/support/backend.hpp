@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The backend the DataParallel suite runs on. Each suite file is built twice (tests/CMakeLists.txt): as test_<x>
 // on HostBackend (work runs in call order), and as test_<x>_streams with TANDEM_TEST_STREAMS on StreamHostBackend,
-// where tandem's work stream is a worker thread with random delays before each operation (ctest label `streams`).
+// where tandem's work and comm streams are worker threads with random delays before each operation (ctest label
+// `streams`).
 // The delays are taken from the environment, so that CI can run the suite under several seeds unchanged:
 //   TANDEM_STREAMS_SEED          the seed (default 1)
 //   TANDEM_STREAMS_MAX_DELAY_US  the longest delay in microseconds (default 50; 0: none)
@@ -30,9 +31,9 @@ inline tandem::HostStreamOptions stream_delays() {
           .seed = env_number("TANDEM_STREAMS_SEED", 1)};
 }
 
-/// StreamHostBackend with the environment's delays on its work stream.
+/// StreamHostBackend with the environment's delays on its work and comm streams.
 struct DelayedStreamBackend : tandem::StreamHostBackend {
-  DelayedStreamBackend() : tandem::StreamHostBackend({.work_stream = stream_delays()}) {}
+  DelayedStreamBackend() : tandem::StreamHostBackend({.work_stream = stream_delays(), .comm_stream = stream_delays()}) {}
 };
 
 #if defined(TANDEM_TEST_STREAMS)

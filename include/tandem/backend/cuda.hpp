@@ -220,8 +220,12 @@ class CudaBackend {
       owns_stream_ = true;
     }
     try {
+      cudaStream_t c = nullptr;
+      TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking));
+      comm_stream_.handle = c;
       cache_ = std::make_unique<detail::CudaBackendCache>(device_, s);
     } catch (...) {
+      if (comm_stream_.handle != nullptr) TANDEM_CUDA_LOG(cudaStreamDestroy(detail::native(comm_stream_)));
       if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(s));
       throw;
     }
@@ -230,6 +234,7 @@ class CudaBackend {
       : device_(o.device_),
         max_blocks_(o.max_blocks_),
         stream_(std::exchange(o.stream_, Stream{})),
+        comm_stream_(std::exchange(o.comm_stream_, Stream{})),
         owns_stream_(std::exchange(o.owns_stream_, false)),
         timeout_(o.timeout_),
         cache_(std::move(o.cache_)) {}
@@ -239,9 +244,10 @@ class CudaBackend {
   ~CudaBackend() {
     // Pending work on the stream still completes; buffers freed on it later stay valid (stream-ordered). The scratch
     // is freed on the stream before the stream is destroyed. A moved-from backend has nothing to free.
-    if (!cache_ && !owns_stream_) return;
+    if (!cache_ && !owns_stream_ && comm_stream_.handle == nullptr) return;
     const detail::CudaDeviceGuard guard(device_, std::nothrow);
     cache_.reset();
+    if (comm_stream_.handle != nullptr) TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_.handle)));
     if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(stream_.handle)));
   }
 
@@ -250,8 +256,11 @@ class CudaBackend {
   /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
   /// / block_threads).
   unsigned max_blocks() const { return max_blocks_; }
-  /// tandem's work stream: packs, collectives, updates and unpacks are ordered on it.
+  /// tandem's work stream: packs, updates, unpacks, allocations and frees are ordered on it.
   Stream stream() const { return stream_; }
+  /// tandem's comm stream, which the backend creates (non-blocking) and owns: DataParallel runs its gradient
+  /// reductions and parameter gathers there, beside the work stream, ordered against it by events (docs/cuda.md).
+  Stream comm_stream() const { return comm_stream_; }
   /// How long read() and synchronize() wait (CudaBackendOptions::timeout).
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -383,6 +392,7 @@ class CudaBackend {
   int device_ = -1;
   unsigned max_blocks_ = max_grid_blocks;
   Stream stream_;
+  Stream comm_stream_;  ///< always the backend's own
   bool owns_stream_ = false;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<detail::CudaBackendCache> cache_;

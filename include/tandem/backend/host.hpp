@@ -92,6 +92,8 @@ class HostBackend {
   static constexpr const char* name() { return "host"; }
   /// tandem's work stream (the host has only one order: the calling thread's).
   Stream stream() const { return {}; }
+  /// tandem's comm stream: the same order.
+  Stream comm_stream() const { return {}; }
 
   template <class T>
   Buffer<T> allocate(std::size_t n) const {

@@ -529,6 +529,7 @@ class StreamHostBuffer {
 struct StreamHostBackendOptions {
   int threads = 1;                  ///< threads one launch is split across, on its stream's worker
   HostStreamOptions work_stream{};  ///< the delays of the backend's own work stream
+  HostStreamOptions comm_stream{};  ///< the delays of its comm stream
 };
 
 /// HostBackend's operations, each enqueued on its stream (see the top of this file). Owns a work stream.
@@ -544,7 +545,8 @@ class StreamHostBackend {
   StreamHostBackend() : StreamHostBackend(StreamHostBackendOptions{}) {}
   explicit StreamHostBackend(StreamHostBackendOptions options)
       : direct_(HostBackendOptions{.threads = options.threads}),
-        work_(std::make_shared<HostStream>(options.work_stream)) {}
+        work_(std::make_shared<HostStream>(options.work_stream)),
+        comm_(std::make_shared<HostStream>(options.comm_stream)) {}
   /// Move-only, as CudaBackend: a copy would share the work stream, and ranks given copies of one backend would
   /// queue their collectives on one worker, where the first blocks the others (a hang until the timeout).
   StreamHostBackend(StreamHostBackend&&) noexcept = default;
@@ -555,6 +557,8 @@ class StreamHostBackend {
   static constexpr const char* name() { return "host-stream"; }
   /// tandem's work stream: a HostStream the backend owns.
   Stream stream() const { return work_->stream(); }
+  /// tandem's comm stream: a second HostStream the backend owns (as CudaBackend::comm_stream).
+  Stream comm_stream() const { return comm_->stream(); }
 
   template <class T>
   Buffer<T> allocate(std::size_t n) const {
@@ -612,6 +616,7 @@ class StreamHostBackend {
  private:
   HostBackend direct_;
   std::shared_ptr<HostStream> work_;
+  std::shared_ptr<HostStream> comm_;
 };
 
 }  // namespace tandem

@@ -44,8 +44,11 @@
 // step, broadcast_parameters, initialize_parameters, load_checkpoint) leaves by making the user's stream wait for an
 // event recorded on the work stream, also when it throws. The destructor enters and leaves, so that the buffers, freed
 // in order on the work stream, outlive the user's queued work on them, and the user's later work comes after tandem's.
-// tandem's own buffers are used only on the work stream, so its program order is their reuse order, except the two
-// kinds the user's stream uses too: the gradient slots (ordered by slot_events_) and the gather buffers (pslot_ready_
+// A bucket's collective, and the bucket work that follows it, run on the backend's comm stream behind an event on the
+// work stream (after_work), so the work stream packs or updates the next bucket meanwhile; the work stream waits for
+// the comm stream (join_comm) before it reads what the collectives wrote, before a collective of its own, and when a
+// call leaves. tandem's own buffers are used by one of the two in turn, ordered by those events, except the two kinds
+// the user's stream uses too: the gradient slots (ordered by slot_events_) and the gather buffers (pslot_ready_
 // after a gather, pslot_free_ after the user's reads). On HostBackend events are empty
 // and calls are no-ops; StreamHostBackend runs all of it for real on worker threads (backend/host_stream.hpp), which is
 // where the suite tests this protocol.
@@ -202,10 +205,10 @@ class DataParallel {
     StreamScope scope(*this, Exit::leave);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
-      if (rank_ == root) (this->*steps_->params_in)(scope, b);
+      if (rank_ == root) (this->*steps_->params_in)(scope, b, work_stream());
       void* flat = param_bucket(b);
-      comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());
-      if (rank_ != root) (this->*steps_->params_out)(scope, b);
+      comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());  // the scope joined the comm stream
+      if (rank_ != root) (this->*steps_->params_out)(scope, b, work_stream());
     }
     init_masters(scope);
     synced_ = true;
@@ -215,8 +218,8 @@ class DataParallel {
  public:
   /// Optional, for overlap: tensor i's gradient for this micro-step is complete on the user's stream (call it from
   /// backward, as each gradient is produced). When every tensor of the next bucket in bucket order is ready, that
-  /// bucket's pack and collective are issued on the work stream behind an event on the user's stream, so they
-  /// overlap the rest of backward; step() issues whatever is left. Buckets go out in bucket order on every rank
+  /// bucket's pack is issued on the work stream behind an event on the user's stream, and its collective on the comm
+  /// stream behind the pack, so they overlap the rest of backward and the next bucket's pack; step() issues whatever is left. Buckets go out in bucket order on every rank
   /// (a bucket that completes early waits for the ones before it), so the ranks' collectives always match. On the
   /// host backend the bucket's work simply runs now. Calling it for some tensors, all or none gives the same result.
   /// Under ParameterSharded, whose parameters(b) and prefetch_parameters(b) issue gathers on the same communicator,
@@ -243,8 +246,9 @@ class DataParallel {
     check_no_open_parameters("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
-    // the user's stream may still be reading after its last grad_ready.
-    StreamScope scope(*this, Exit::leave);
+    // the user's stream may still be reading after its last grad_ready. The buckets issued here are packed beside the
+    // collectives of those issued before.
+    StreamScope scope(*this, Exit::leave, Collectives::beside);
     issue_ready_buckets(scope, true);  // the buckets grad_ready has not issued yet
     std::fill(ready_.begin(), ready_.end(), 0);
     std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
@@ -258,6 +262,7 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
+    join_comm();  // the reduced gradients, for the norm and the updates
     store_options(Store::changed);  // before the scalar all-reduce copies their lanes
     control_.prepare(backend_, groups_.size(), boundary_scalars(scope, norm_checked(), average), work_stream());
     ++windows_;
@@ -276,11 +281,12 @@ class DataParallel {
         return result;
       }
     }
+    // Bucket b's gather and unpack on the comm stream, beside bucket b+1's update on the work stream.
     Ops ops{*this};
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       update(scope, b);
       P::after_update(ops, b);
-      (this->*steps_->params_out)(scope, b);
+      (this->*steps_->params_out)(scope, b, after_work());
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
@@ -334,6 +340,7 @@ class DataParallel {
   /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream.
   TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     if (values.empty()) return;
+    join_comm();  // a collective on the work stream: after those of the comm stream
     Buffer<double> staging = detail::allocate_named<double>(backend_, values.size(), "all_reduce_host's staging");
     detail::stage_host(backend_, staging.data(), values.data(), values.size_bytes());  // on work_stream()
     comm_.all_reduce(staging.data(), staging.data(), values.size(), DType::fp64, op, work_stream());
@@ -477,6 +484,7 @@ class DataParallel {
         // optimizer step (a gather where the policy keeps the full parameters and shards their update).
         Ops ops{*this};
         for (std::size_t b = 0; b < plan_.num_buckets(); ++b) P::after_update(ops, b);
+        join_comm();  // the gathered parameters, for the unpacks below
       } catch (const std::exception& e) {
         restore_failed_ = std::string("load_checkpoint failed while restoring (") + e.what() +
                           "), so the state is partly overwritten; load a checkpoint that verifies";
@@ -496,7 +504,7 @@ class DataParallel {
     gathered_.forget();
     synced_ = true;
     restore_failed_.clear();
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) (this->*steps_->params_out)(scope, b);
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) (this->*steps_->params_out)(scope, b, work_stream());
     scope.leave();
   }
 
@@ -596,7 +604,7 @@ class DataParallel {
     return ParameterBucket(*this, b, params);
   }
 
-  /// Under ParameterSharded: starts gathering bucket b's parameters now, on the work stream, so that the gather
+  /// Under ParameterSharded: starts gathering bucket b's parameters now, on the comm stream, so that the gather
   /// overlaps the pass's work on other buckets; the later parameters(b) finds them. The buffer stays reserved for b
   /// until then (a bucket still gathered from an earlier use is only reserved). Does nothing under a policy that
   /// keeps every parameter. Collective.
@@ -906,24 +914,53 @@ class DataParallel {
 
   /// tandem's work stream (the backend's).
   Stream work_stream() const { return backend_.stream(); }
+  /// tandem's comm stream (the backend's): the buckets' collectives and the bucket work that follows each.
+  Stream comm_stream() const { return backend_.comm_stream(); }
+
+  /// Later work on the comm stream waits for everything issued so far on the work stream (a bucket's packs or update,
+  /// and anything earlier); returns the comm stream.
+  Stream after_work() {
+    backend_.record(to_comm_, work_stream());
+    backend_.wait(comm_stream(), to_comm_);
+    comm_pending_ = true;
+    return comm_stream();
+  }
+  /// Later work on the work stream waits for everything issued so far on the comm stream (nothing to wait for where
+  /// nothing was issued there since the last join). So the communicator's collectives, on either stream, run in the
+  /// order they are issued: each stream issues one only after waiting for the other. With `user_too` the user's stream
+  /// waits for the comm stream too (a call leaving: a capture's fork to the comm stream rejoins the capturing stream).
+  void join_comm(bool user_too = false) {
+    if (!comm_pending_) return;
+    backend_.record(from_comm_, comm_stream());
+    backend_.wait(work_stream(), from_comm_);
+    if (user_too) backend_.wait(options_.stream, from_comm_);
+    comm_pending_ = false;
+  }
 
   /// How a call's hold on the user's buffers ends.
   enum class Exit {
-    leave,  ///< the user's stream waits for the work stream when the call ends
+    leave,  ///< the user's stream waits for the work stream (and the comm stream) when the call ends
     stay    ///< it does not (grad_ready: the rest of backward must not wait for tandem; save_checkpoint only reads)
   };
+  /// How a call's work on the work stream is ordered against the collectives issued before it.
+  enum class Collectives {
+    after,  ///< it comes after them (the work stream joins the comm stream on entry)
+    beside  ///< it may run beside them (the calls that issue buckets: grad_ready, a bucket's release, step())
+  };
 
-  /// One public call's scope on the two streams, an RAII pair so that neither half can be missed. On entry, later work
+  /// One public call's scope on the streams, an RAII pair so that neither half can be missed. On entry, later work
   /// on the work stream waits for everything issued so far on the user's stream (the gradients, and the parameters
-  /// or views as the user left them). On leaving (Exit::leave), later work on the user's stream waits for everything
-  /// issued so far on the work stream: the user may then read the parameters and overwrite the gradients. It leaves
-  /// in its destructor too when the call throws. Every function that issues work touching the user's buffers takes
-  /// the scope as its first argument, so that such work cannot be issued outside one.
+  /// or views as the user left them) and, unless Collectives::beside, on the comm stream. On leaving (Exit::leave),
+  /// later work on the user's stream waits for everything issued so far on the work stream and the comm stream: the
+  /// user may then read the parameters and overwrite the gradients. It leaves in its destructor too when the call
+  /// throws. Every function that issues work touching the user's buffers takes the scope as its first argument, so
+  /// that such work cannot be issued outside one.
   class StreamScope {
    public:
-    StreamScope(DataParallel& dp, Exit exit) : dp_(dp), exit_(exit) {
+    StreamScope(DataParallel& dp, Exit exit, Collectives order = Collectives::after) : dp_(dp), exit_(exit) {
       dp_.backend_.record(dp_.user_event_, dp_.options_.stream);
       dp_.backend_.wait(dp_.work_stream(), dp_.user_event_);
+      if (order == Collectives::after) dp_.join_comm();
     }
     StreamScope(const StreamScope&) = delete;
     StreamScope& operator=(const StreamScope&) = delete;
@@ -942,6 +979,7 @@ class DataParallel {
 
    private:
     void leave_now() {
+      dp_.join_comm(true);
       dp_.backend_.record(dp_.work_event_, dp_.work_stream());
       dp_.backend_.wait(dp_.options_.stream, dp_.work_event_);
     }
@@ -1013,7 +1051,10 @@ class DataParallel {
     void accumulate(std::size_t b) { (dp.*dp.steps_->accumulate)(b); }
     void reduce(std::size_t b) { dp.reduce_local(b); }
     void reduce_into_shard(std::size_t b) { dp.reduce_into_shard(b); }
-    void gather(std::size_t b) { P::gather_parameters(dp.comm_, dp.view(b, nullptr)); }
+    void gather(std::size_t b) {  // on the comm stream, after the update (or the load) that wrote the owned range
+      dp.after_work();
+      P::gather_parameters(dp.comm_, dp.view(b, nullptr));
+    }
     const void* parameters(std::size_t b) { return dp.param_bucket(b); }
     const void* gather_for_use(std::size_t b) { return dp.gather_for_use(b); }
   };
@@ -1027,29 +1068,33 @@ class DataParallel {
 
   /// ReduceAtBoundary: bucket b's full local gradients (grad_flat, where the micro-steps accumulated) reduced by the
   /// policy; a rounded reduction is read back into the owned range, in fp32.
+  /// On the comm stream, after the packs.
   void reduce_local(std::size_t b) {
+    const Stream s = after_work();
     float* grads = state_.grad_flat() + plan_.bucket(b).offset;
-    const void* reduced = reduce(b, grads);
+    const void* reduced = reduce(b, grads, s);
     if (rounded_reduction())
       kernels_.land(backend_, reduced, state_.grad_flat() + owned_range(b).begin, owned_range(b).size(),
-                    WriteMode::assign, work_stream());
+                    WriteMode::assign, s);
   }
 
   /// ReduceEveryMicroStep: this micro-step's gradients of bucket b (the storage mode's) reduced by the policy and
   /// landed in the shard accumulator (assigned at the window's first micro-step, added after); then they are dropped.
+  /// All on the comm stream: copy mode's pack into the shared staging bucket too, so that only the comm stream uses it.
   void reduce_into_shard(std::size_t b) {
-    float* grads = (this->*steps_->micro_step_gradients)(b);
-    const void* reduced = reduce(b, grads);
+    const Stream s = after_work();
+    float* grads = (this->*steps_->micro_step_gradients)(b, s);
+    const void* reduced = reduce(b, grads, s);
     kernels_.land(backend_, reduced, owned_grads(b), plan_.bucket(b).shard_size,
-                  micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, work_stream());
-    (this->*steps_->gradients_reduced)(b, grads);
+                  micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, s);
+    (this->*steps_->gradients_reduced)(b, grads, s);
   }
 
   /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
   /// rounded into the reduce buffer and reduced there (grads keep their values). Rounded, they are averaged first
   /// (owned storage's gradients are sums; copy mode's pack averaged already), so that the sum fits a 16-bit range N*k
   /// times larger, and both storage modes round the same values. Returns the reduced owned range (in the reduce dtype).
-  const void* reduce(std::size_t b, float* grads) {
+  const void* reduce(std::size_t b, float* grads, Stream s) {
     const Bucket& bucket = plan_.bucket(b);
     const std::size_t own = owned_range(b).begin - bucket.offset;
     if (!rounded_reduction()) {
@@ -1057,8 +1102,7 @@ class DataParallel {
       return grads + own;
     }
     unsigned char* wire = state_.reduce_buffer();
-    kernels_.round_for_reduction(backend_, grads, wire, bucket.size, steps_->averaged ? 1.0f : pack_scale(),
-                                 work_stream());
+    kernels_.round_for_reduction(backend_, grads, wire, bucket.size, steps_->averaged ? 1.0f : pack_scale(), s);
     P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
     return wire + own * dtype_size(options_.reduce_dtype);
   }
@@ -1073,17 +1117,18 @@ class DataParallel {
     return state_.gather_buffer(slot);
   }
 
-  /// Gathers bucket b into a free gather buffer on the work stream, after the user's stream is done reading the
+  /// Gathers bucket b into a free gather buffer on the comm stream, after the user's stream is done reading the
   /// buffer's previous bucket; returns the buffer. A gather that fails to issue leaves the ranks' collective sequences
   /// apart, like a failed reduction.
   std::size_t gather_into_slot(std::size_t b) {
     const std::size_t slot = gathered_.assign(b);
     try {
-      backend_.wait(work_stream(), pslot_free_[slot]);
+      const Stream s = after_work();  // the shard as the last update left it
+      backend_.wait(s, pslot_free_[slot]);
       BucketView v = view(b, nullptr);
       v.param = state_.gather_buffer(slot);
       P::gather_parameters(comm_, v);
-      backend_.record(pslot_ready_[slot], work_stream());
+      backend_.record(pslot_ready_[slot], s);
     } catch (const std::exception& e) {
       gathered_.drop(slot);
       broken_ = std::string("gathering bucket ") + std::to_string(b) + "'s parameters failed (" + e.what() + ")";
@@ -1107,13 +1152,13 @@ class DataParallel {
   /// instantiated for that mode only.
   struct StorageSteps {
     /// The user's parameters into bucket b, and back (copy mode; nothing where the user's tensors are the views).
-    void (DataParallel::*params_in)(const StreamScope&, std::size_t b);
-    void (DataParallel::*params_out)(const StreamScope&, std::size_t b);
+    void (DataParallel::*params_in)(const StreamScope&, std::size_t b, Stream s);
+    void (DataParallel::*params_out)(const StreamScope&, std::size_t b, Stream s);
     /// ReduceAtBoundary: this micro-step's gradients of b added into grad_flat.
     void (DataParallel::*accumulate)(std::size_t b);
     /// ReduceEveryMicroStep: this micro-step's gradients of b in an fp32 bucket, and their release once reduced.
-    float* (DataParallel::*micro_step_gradients)(std::size_t b);
-    void (DataParallel::*gradients_reduced)(std::size_t b, float* grads);
+    float* (DataParallel::*micro_step_gradients)(std::size_t b, Stream s);
+    void (DataParallel::*gradients_reduced)(std::size_t b, float* grads, Stream s);
     /// The window's gradients are consumed: whatever backward adds into next starts from zero.
     void (DataParallel::*clear_gradients)();
     /// Whether the gradients tandem reduces already carry the 1/(N*k) average (copy mode's pack scales them).
@@ -1136,14 +1181,13 @@ class DataParallel {
   }
 
   template <Storage S>
-  void params_in_as(const StreamScope&, std::size_t b) {
-    if constexpr (S == Storage::user)
-      kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), work_stream());
+  void params_in_as(const StreamScope&, std::size_t b, Stream s) {
+    if constexpr (S == Storage::user) kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
   }
   template <Storage S>
-  void params_out_as(const StreamScope&, std::size_t b) {
+  void params_out_as(const StreamScope&, std::size_t b, Stream s) {
     if constexpr (S == Storage::user)
-      kernels_.unpack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), work_stream());
+      kernels_.unpack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
   }
   template <Storage S>
   void accumulate_as(std::size_t b) {  // owned storage: backward added into grad_flat itself
@@ -1153,13 +1197,13 @@ class DataParallel {
                           work_stream());
   }
   template <Storage S>
-  float* micro_step_gradients_as(std::size_t b) {
+  float* micro_step_gradients_as(std::size_t b, Stream s) {
     if constexpr (S == Storage::user) {
       float* staging = state_.staging();
       kernels_.pack_grads(backend_, grad_tables_[b], staging, WriteMode::assign, pack_scale(), hint(b, sizeof(float)),
-                          work_stream());
+                          s);
       for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
-        backend_.zero(staging + gap.begin, gap.size() * sizeof(float), work_stream());
+        backend_.zero(staging + gap.begin, gap.size() * sizeof(float), s);
       return staging;
     } else {
       if (slots_.slot_of(b) == detail::SlotPool::none) slots_.acquire(b, next_bucket_);  // never opened: zero
@@ -1167,11 +1211,11 @@ class DataParallel {
     }
   }
   template <Storage S>
-  void gradients_reduced_as(std::size_t b, float* grads) {
+  void gradients_reduced_as(std::size_t b, float* grads, Stream s) {
     if constexpr (S == Storage::owned) {  // the slot is zero again, and free for the next bucket
       const std::size_t slot = slots_.slot_of(b);
-      backend_.zero(grads, plan_.bucket(b).size * sizeof(float), work_stream());
-      backend_.record(slot_events_[slot], work_stream());
+      backend_.zero(grads, plan_.bucket(b).size * sizeof(float), s);
+      backend_.record(slot_events_[slot], s);
       slots_.release(b);
     }
   }
@@ -1184,7 +1228,7 @@ class DataParallel {
   TANDEM_COLD void construct_as(const StreamScope& scope) {
     if constexpr (S == Storage::user) {  // the user's buffers hold the parameters already
       build_pack_tables();
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_in_as<S>(scope, b);
+      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_in_as<S>(scope, b, work_stream());
       init_masters(scope);
       synced_ = true;
     }
@@ -1195,8 +1239,10 @@ class DataParallel {
   /// Issues the buckets that grad_ready or a released GradientBucket has completed, if the next one in bucket order is.
   void issue_completed_buckets() {
     if (!next_bucket_complete()) return;
-    StreamScope scope(*this, Exit::stay);  // the gradients written so far on the user's stream; the rest of backward
-    issue_ready_buckets(scope, false);     // must not wait for tandem, so the user's stream does not wait here
+    // The gradients written so far on the user's stream; the rest of backward must not wait for tandem, so the user's
+    // stream does not wait here, and the packs go on beside the collectives issued before.
+    StreamScope scope(*this, Exit::stay, Collectives::beside);
+    issue_ready_buckets(scope, false);
   }
 
   /// GradientBucket::release: every tensor of bucket b not yet announced is grad_ready.
@@ -1264,10 +1310,15 @@ class DataParallel {
            bucket_ready_[next_bucket_] == plan_.bucket(next_bucket_).tensors.size();
   }
 
+  /// The agreement's collectives run on the work stream, after the comm stream's.
   std::vector<std::uint64_t> all_gather_words(const std::vector<std::uint64_t>& mine) {
+    join_comm();
     return detail::all_gather_words(comm_, backend_, mine);
   }
-  void all_ranks_succeed(const std::string& problem) { detail::all_ranks_succeed(comm_, backend_, problem); }
+  void all_ranks_succeed(const std::string& problem) {
+    join_comm();
+    detail::all_ranks_succeed(comm_, backend_, problem);
+  }
 
   // ---- construction -------------------------------------------------------------------------------------
 
@@ -1393,6 +1444,8 @@ class DataParallel {
     return state_.grad_shard() != nullptr ? dtype_size(state_.grad_shard_dtype()) : sizeof(float);
   }
 
+  /// Bucket b as the policy's collectives see it. They run on the comm stream: the caller has ordered it after the work
+  /// that wrote their inputs (after_work).
   BucketView view(std::size_t b, void* grads, DType grad_dtype = DType::fp32) const {
     const Bucket& bucket = plan_.bucket(b);
     void* param = param_bucket(b);  // under sharded parameters none: a gather names its buffer
@@ -1400,7 +1453,7 @@ class DataParallel {
         state_.param_shard() != nullptr
             ? owned_params(b)
             : static_cast<unsigned char*>(param) + static_cast<std::size_t>(rank_) * bucket.shard_size * psize_;
-    return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, work_stream()};
+    return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, comm_stream()};
   }
 
   StoreHint hint(std::size_t b, std::size_t element_bytes) const {
@@ -1652,16 +1705,19 @@ class DataParallel {
   ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers
   std::vector<std::vector<Range>> staging_gaps_;
   detail::GatherSlots gathered_;                      ///< which bucket each gather buffer holds
-  std::vector<typename Backend::Event> pslot_ready_;  ///< recorded on the work stream when a gather into slot s is done
+  std::vector<typename Backend::Event> pslot_ready_;  ///< recorded when a gather into slot s is done (comm stream)
   std::vector<typename Backend::Event> pslot_free_;   ///< recorded on the user's stream when its reads of slot s end
   std::vector<unsigned char> params_open_;            ///< a ParameterBucket of bucket b is alive
   detail::SlotPool slots_;                            ///< which gradient slot each bucket holds in this micro-step
-  std::vector<typename Backend::Event> slot_events_;  ///< recorded on the work stream when slot s is zero again
+  std::vector<typename Backend::Event> slot_events_;  ///< recorded when slot s is zero again (comm stream)
   std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
   std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
   std::string restore_failed_;  ///< why the state cannot be trained on until a load succeeds (empty: it can)
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
+  typename Backend::Event to_comm_ = backend_.make_event();    ///< recorded on the work stream, for the comm stream
+  typename Backend::Event from_comm_ = backend_.make_event();  ///< recorded on the comm stream, for the work stream
+  bool comm_pending_ = false;  ///< work issued on the comm stream that the work stream has not waited for
   std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step
   std::vector<std::size_t> bucket_ready_;  ///< ready tensors per bucket in this micro-step
   std::size_t next_bucket_ = 0;            ///< buckets [0, next_bucket_) are issued in this micro-step
