@@ -314,16 +314,18 @@ TEST_CASE_TEMPLATE("grad_ready for every tensor, then more work on the user's st
 
 namespace {
 
-/// A gate the comm stream's gradient reductions wait at until the test opens it (bounded: a stream protocol that
-/// waits for them where it must not fails the test instead of hanging it).
+/// A gate the comm stream's collectives of one kind wait at until the test opens it, once `free_passes` have gone
+/// through (bounded: a stream protocol that waits for them where it must not fails the test instead of hanging it).
 struct Gate {
+  enum class Holds { reductions, gathers } holds = Holds::reductions;
+  int free_passes = 0;
   std::mutex mutex;
   std::condition_variable opened;
   bool open = false;
   std::atomic<int> passed{0};
   void pass() {
     std::unique_lock lock(mutex);
-    opened.wait_for(lock, 10s, [this] { return open; });
+    if (passed >= free_passes) opened.wait_for(lock, 10s, [this] { return open; });
     ++passed;
   }
   void release() {
@@ -335,21 +337,23 @@ struct Gate {
   }
 };
 
-/// LocalComm whose fp32 all-reduces and reduce-scatters (the gradients') first wait at the gate, on their stream.
+/// LocalComm whose fp32 all-reduces and reduce-scatters (the gradients'), or fp32 all-gathers (the parameters'),
+/// first wait at the gate, on their stream.
 struct GatedComm {
   tandem::LocalComm& comm;
   Gate& gate;
   int rank() const { return comm.rank(); }
   int size() const { return comm.size(); }
   void all_reduce(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
-    hold(d, st);
+    hold(Gate::Holds::reductions, d, st);
     comm.all_reduce(s, r, n, d, op, st);
   }
   void reduce_scatter(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
-    hold(d, st);
+    hold(Gate::Holds::reductions, d, st);
     comm.reduce_scatter(s, r, n, d, op, st);
   }
   void all_gather(const void* s, void* r, std::size_t n, tandem::DType d, tandem::Stream st) {
+    hold(Gate::Holds::gathers, d, st);
     comm.all_gather(s, r, n, d, st);
   }
   void broadcast(const void* s, void* r, std::size_t n, tandem::DType d, int root, tandem::Stream st) {
@@ -358,8 +362,8 @@ struct GatedComm {
   void barrier() { comm.barrier(); }
 
  private:
-  void hold(tandem::DType d, tandem::Stream st) {
-    if (d != tandem::DType::fp32) return;
+  void hold(Gate::Holds kind, tandem::DType d, tandem::Stream st) {
+    if (kind != gate.holds || d != tandem::DType::fp32) return;
     tandem::HostStream* q = tandem::detail::host_queue(st);
     REQUIRE(q != nullptr);
     q->enqueue([g = &gate] { g->pass(); });
@@ -369,8 +373,9 @@ static_assert(tandem::Communicator<GatedComm>);
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("a bucket is packed on the work stream while the previous bucket's reduction waits on the comm stream",
-                   Policy, tandem::Replicated, tandem::OptimizerSharded) {
+TEST_CASE_TEMPLATE(
+    "a bucket is packed on the work stream while the previous bucket's reduction waits on the comm stream", Policy,
+    tandem::Replicated, tandem::OptimizerSharded) {
   // Copy mode, two buckets of one tensor each. Bucket 0's all-reduce (reduce-scatter) is held at the gate; the work
   // stream must still pack bucket 1: it finishes its work while the gate is shut, and the pack has read tensor 0's
   // gradients by then (they are changed afterwards, and the update does not see the change).
@@ -384,8 +389,8 @@ TEST_CASE_TEMPLATE("a bucket is packed on the work stream while the previous buc
     tandem::StreamHostBackend backend;
     const tandem::Stream work = backend.stream();
     tandem::DataParallel<Policy, tandem::SGD, tandem::StreamHostBackend, GatedComm> dp(
-        comm, t.refs, {.lr = 0.5f},
-        {.bucket_cap_bytes = 4096, .first_bucket_cap_bytes = 4096, .stream = user.stream()}, std::move(backend));
+        comm, t.refs, {.lr = 0.5f}, {.bucket_cap_bytes = 4096, .first_bucket_cap_bytes = 4096, .stream = user.stream()},
+        std::move(backend));
     REQUIRE(dp.num_buckets() == 2);
     dp.broadcast_parameters();
     const tandem::StreamHostBackend launcher;
@@ -408,6 +413,57 @@ TEST_CASE_TEMPLATE("a bucket is packed on the work stream while the previous buc
     for (std::size_t i = 0; i < 2; ++i)
       for (std::size_t e = 0; e < t.params[i].size(); e += 97) CHECK(t.params[i][e] == start[i][e] - 0.5f);
   });
+}
+
+TEST_CASE("ParametersReady: the user's stream reads the bucket gathered first while the next one is held, or waits") {
+  // OptimizerSharded, copy mode, two buckets of one tensor each. step() gathers bucket 1 (tensor 0, the first layer)
+  // first; bucket 0's gather is held at the gate. Under by_bucket the user's stream, after wait_parameters(1), reads
+  // tensor 0's updated values while the gate is shut, and tensor 1's after wait_parameters(0). Under at_step it
+  // waits for both gathers when step() returns.
+  for (const tandem::ParametersReady ready : {tandem::ParametersReady::by_bucket, tandem::ParametersReady::at_step}) {
+    CAPTURE(ready);
+    tandem::LocalGroup(1).run([&](tandem::LocalComm& local) {
+      Gate gate;
+      gate.holds = Gate::Holds::gathers;
+      GatedComm comm{local, gate};
+      tandem::HostStream user;
+      Tensors t({1000, 1000});
+      const test::Params start = t.params;
+      tandem::DataParallel<tandem::OptimizerSharded, tandem::SGD, tandem::StreamHostBackend, GatedComm> dp(
+          comm, t.refs, {.lr = 0.5f},
+          {.bucket_cap_bytes = 4096,
+           .first_bucket_cap_bytes = 4096,
+           .parameters_ready = ready,
+           .stream = user.stream()});
+      REQUIRE(dp.num_buckets() == 2);
+      REQUIRE(dp.plan().bucket(1).tensors == std::vector<std::size_t>{0});
+      dp.broadcast_parameters();
+      const tandem::StreamHostBackend launcher;
+      launcher.launch(1, Task{[&t] {  // backward writes the gradients
+                        for (auto& g : t.grads) std::fill(g.begin(), g.end(), 1.0f);
+                      }},
+                      user.stream());
+      gate.free_passes = 1;  // bucket 1's gather
+      CHECK(dp.step().updated);
+      dp.wait_parameters(1);
+      std::vector<float> first;
+      launcher.launch(1, Task{[&t, &first] { first = t.params[0]; }}, user.stream());  // the forward reads bucket 1
+      auto read = std::async(std::launch::async, [&user] { user.synchronize(); });
+      const bool beside =
+          read.wait_for(ready == tandem::ParametersReady::by_bucket ? 5s : 200ms) == std::future_status::ready;
+      CHECK(beside == (ready == tandem::ParametersReady::by_bucket));
+      CHECK(gate.passed == 1);
+      gate.release();
+      read.get();
+      for (std::size_t e = 0; e < first.size(); e += 97) CHECK(first[e] == start[0][e] - 0.5f);
+      dp.wait_parameters(0);
+      user.synchronize();
+      for (std::size_t e = 0; e < t.params[1].size(); e += 97) CHECK(t.params[1][e] == start[1][e] - 0.5f);
+      CHECK(gate.passed == 2);
+      CHECK_THROWS_WITH_AS(dp.wait_parameters(2),
+                           "tandem: wait_parameters(2): bucket out of range; the plan has 2 buckets", tandem::error);
+    });
+  }
 }
 
 TEST_CASE("destroying DataParallel waits for the user's stream before its buffers are freed") {

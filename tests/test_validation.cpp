@@ -238,6 +238,7 @@ TEST_CASE("bad options name the option") {
       {{.bucket_cap_bytes = 0}, "bucket caps"},
       {{.non_finite = static_cast<tandem::NonFinite>(7)}, "non_finite is 7, not a NonFinite"},
       {{.step_report = static_cast<tandem::StepReport>(2)}, "step_report is 2, not a StepReport"},
+      {{.parameters_ready = static_cast<tandem::ParametersReady>(5)}, "parameters_ready is 5, not a ParametersReady"},
   };
   for (const auto& [options, want] : cases) {
     const auto messages = run_ranks(

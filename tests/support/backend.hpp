@@ -33,7 +33,8 @@ inline tandem::HostStreamOptions stream_delays() {
 
 /// StreamHostBackend with the environment's delays on its work and comm streams.
 struct DelayedStreamBackend : tandem::StreamHostBackend {
-  DelayedStreamBackend() : tandem::StreamHostBackend({.work_stream = stream_delays(), .comm_stream = stream_delays()}) {}
+  DelayedStreamBackend()
+      : tandem::StreamHostBackend({.work_stream = stream_delays(), .comm_stream = stream_delays()}) {}
 };
 
 #if defined(TANDEM_TEST_STREAMS)

@@ -247,7 +247,8 @@ class CudaBackend {
     if (!cache_ && !owns_stream_ && comm_stream_.handle == nullptr) return;
     const detail::CudaDeviceGuard guard(device_, std::nothrow);
     cache_.reset();
-    if (comm_stream_.handle != nullptr) TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_.handle)));
+    if (comm_stream_.handle != nullptr)
+      TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_.handle)));
     if (owns_stream_) TANDEM_CUDA_LOG(cudaStreamDestroy(static_cast<cudaStream_t>(stream_.handle)));
   }
 

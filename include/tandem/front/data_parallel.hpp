@@ -219,12 +219,13 @@ class DataParallel {
   /// Optional, for overlap: tensor i's gradient for this micro-step is complete on the user's stream (call it from
   /// backward, as each gradient is produced). When every tensor of the next bucket in bucket order is ready, that
   /// bucket's pack is issued on the work stream behind an event on the user's stream, and its collective on the comm
-  /// stream behind the pack, so they overlap the rest of backward and the next bucket's pack; step() issues whatever is left. Buckets go out in bucket order on every rank
-  /// (a bucket that completes early waits for the ones before it), so the ranks' collectives always match. On the
-  /// host backend the bucket's work simply runs now. Calling it for some tensors, all or none gives the same result.
-  /// Under ParameterSharded, whose parameters(b) and prefetch_parameters(b) issue gathers on the same communicator,
-  /// the ranks' reductions and gathers interleave as their calls do: every rank must then make the same calls
-  /// (grad_ready, GradientBucket releases, parameters, prefetch_parameters) in the same order.
+  /// stream behind the pack, so they overlap the rest of backward and the next bucket's pack; step() issues whatever is
+  /// left. Buckets go out in bucket order on every rank (a bucket that completes early waits for the ones before it),
+  /// so the ranks' collectives always match. On the host backend the bucket's work simply runs now. Calling it for some
+  /// tensors, all or none gives the same result. Under ParameterSharded, whose parameters(b) and prefetch_parameters(b)
+  /// issue gathers on the same communicator, the ranks' reductions and gathers interleave as their calls do: every rank
+  /// must then make the same calls (grad_ready, GradientBucket releases, parameters, prefetch_parameters) in the same
+  /// order.
   void grad_ready(std::size_t i) {
     check_stepping("grad_ready");
     if (i >= layout_.size())
@@ -262,7 +263,7 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
-    join_comm();  // the reduced gradients, for the norm and the updates
+    join_comm();                    // the reduced gradients, for the norm and the updates
     store_options(Store::changed);  // before the scalar all-reduce copies their lanes
     control_.prepare(backend_, groups_.size(), boundary_scalars(scope, norm_checked(), average), work_stream());
     ++windows_;
@@ -281,12 +282,15 @@ class DataParallel {
         return result;
       }
     }
-    // Bucket b's gather and unpack on the comm stream, beside bucket b+1's update on the work stream.
+    // Bucket b's gather and unpack on the comm stream, beside the next bucket's update on the work stream; the last
+    // bucket (the first layers, which the next forward reads first) first.
     Ops ops{*this};
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+    for (std::size_t b = plan_.num_buckets(); b-- > 0;) {
       update(scope, b);
       P::after_update(ops, b);
-      (this->*steps_->params_out)(scope, b, after_work());
+      const Stream s = after_work();
+      (this->*steps_->params_out)(scope, b, s);
+      backend_.record(params_ready_[b], s);
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
@@ -294,7 +298,7 @@ class DataParallel {
       result = {.updated = true, .step = ++step_};
     else if (options_.step_report == StepReport::deferred)
       result.pending = true;
-    scope.leave();
+    scope.leave(options_.parameters_ready == ParametersReady::at_step ? Leave::all : Leave::work);
     return result;
   }
 
@@ -598,10 +602,25 @@ class DataParallel {
     check_bucket_call(b, "parameters");
     if (params_open_[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
+    backend_.wait(options_.stream, params_ready_[b]);  // ParametersReady::by_bucket: the last step's work on b
     Ops ops{*this};
     const void* params = P::open_parameters(ops, b);
     params_open_[b] = 1;
     return ParameterBucket(*this, b, params);
+  }
+
+  /// Under ParametersReady::by_bucket: the user's stream waits until bucket b's parameters are as the last optimizer
+  /// step left them (its update, and its gather and unpack into the user's buffers or the parameter bucket), and no
+  /// longer; call it before the pass reads bucket b (parameters(b) does). step() made the user's stream wait for the
+  /// updates of every bucket, and it issues the gathers from the last bucket (the first layers) to bucket 0, so a
+  /// forward in layout order waits for each bucket's just before it reads it. Under at_step step() made the user's
+  /// stream wait for every bucket already, and this adds nothing. Costs no host wait. Either storage mode.
+  void wait_parameters(std::size_t b) {
+    if (!live_.yes) detail::fail("tandem: wait_parameters(b) on a DataParallel that has been moved from");
+    if (b >= plan_.num_buckets())
+      detail::fail("tandem: wait_parameters(" + std::to_string(b) + "): bucket out of range; the plan has " +
+                   std::to_string(plan_.num_buckets()) + " buckets");
+    backend_.wait(options_.stream, params_ready_[b]);
   }
 
   /// Under ParameterSharded: starts gathering bucket b's parameters now, on the comm stream, so that the gather
@@ -942,6 +961,11 @@ class DataParallel {
     leave,  ///< the user's stream waits for the work stream (and the comm stream) when the call ends
     stay    ///< it does not (grad_ready: the rest of backward must not wait for tandem; save_checkpoint only reads)
   };
+  /// What the user's stream waits for when a call leaves.
+  enum class Leave {
+    all,  ///< the work stream and the comm stream
+    work  ///< the work stream only: the comm stream's gathers and unpacks by bucket (ParametersReady::by_bucket)
+  };
   /// How a call's work on the work stream is ordered against the collectives issued before it.
   enum class Collectives {
     after,  ///< it comes after them (the work stream joins the comm stream on entry)
@@ -965,21 +989,21 @@ class DataParallel {
     StreamScope(const StreamScope&) = delete;
     StreamScope& operator=(const StreamScope&) = delete;
     /// Leaves now (Exit::leave), reporting what the streams report; the destructor then does nothing.
-    void leave() {
-      if (std::exchange(exit_, Exit::stay) == Exit::leave) leave_now();
+    void leave(Leave what = Leave::all) {
+      if (std::exchange(exit_, Exit::stay) == Exit::leave) leave_now(what);
     }
     ~StreamScope() {
       if (exit_ != Exit::leave) return;
       try {
-        leave_now();
+        leave_now(Leave::all);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "tandem: leaving a failed call, the streams reported: %s\n", e.what());
       }
     }
 
    private:
-    void leave_now() {
-      dp_.join_comm(true);
+    void leave_now(Leave what) {
+      if (what == Leave::all) dp_.join_comm(true);
       dp_.backend_.record(dp_.work_event_, dp_.work_stream());
       dp_.backend_.wait(dp_.options_.stream, dp_.work_event_);
     }
@@ -1182,7 +1206,8 @@ class DataParallel {
 
   template <Storage S>
   void params_in_as(const StreamScope&, std::size_t b, Stream s) {
-    if constexpr (S == Storage::user) kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
+    if constexpr (S == Storage::user)
+      kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
   }
   template <Storage S>
   void params_out_as(const StreamScope&, std::size_t b, Stream s) {
@@ -1385,6 +1410,7 @@ class DataParallel {
     slots_ = detail::SlotPool(state_.grad_slots(), plan_.num_buckets());
     for (std::size_t k = 0; k < state_.grad_slots(); ++k) slot_events_.push_back(backend_.make_event());
     bucket_open_.assign(plan_.num_buckets(), 0);
+    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_ready_.push_back(backend_.make_event());
   }
 
   TANDEM_COLD void build_pack_tables() {
@@ -1704,20 +1730,21 @@ class DataParallel {
   detail::StepControl<Opt, Backend> control_;  ///< the step count and the step's scalars, in backend memory
   ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers
   std::vector<std::vector<Range>> staging_gaps_;
-  detail::GatherSlots gathered_;                      ///< which bucket each gather buffer holds
-  std::vector<typename Backend::Event> pslot_ready_;  ///< recorded when a gather into slot s is done (comm stream)
-  std::vector<typename Backend::Event> pslot_free_;   ///< recorded on the user's stream when its reads of slot s end
-  std::vector<unsigned char> params_open_;            ///< a ParameterBucket of bucket b is alive
-  detail::SlotPool slots_;                            ///< which gradient slot each bucket holds in this micro-step
-  std::vector<typename Backend::Event> slot_events_;  ///< recorded when slot s is zero again (comm stream)
-  std::vector<unsigned char> bucket_open_;            ///< a GradientBucket of bucket b is alive
-  std::string broken_;                                ///< why the current micro-step cannot go on (empty: it can)
+  detail::GatherSlots gathered_;                       ///< which bucket each gather buffer holds
+  std::vector<typename Backend::Event> pslot_ready_;   ///< recorded when a gather into slot s is done (comm stream)
+  std::vector<typename Backend::Event> pslot_free_;    ///< recorded on the user's stream when its reads of slot s end
+  std::vector<unsigned char> params_open_;             ///< a ParameterBucket of bucket b is alive
+  detail::SlotPool slots_;                             ///< which gradient slot each bucket holds in this micro-step
+  std::vector<typename Backend::Event> slot_events_;   ///< recorded when slot s is zero again (comm stream, or a reset)
+  std::vector<typename Backend::Event> params_ready_;  ///< recorded after step()'s gather and unpack of bucket b (comm)
+  std::vector<unsigned char> bucket_open_;             ///< a GradientBucket of bucket b is alive
+  std::string broken_;                                 ///< why the current micro-step cannot go on (empty: it can)
   std::string restore_failed_;  ///< why the state cannot be trained on until a load succeeds (empty: it can)
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
   typename Backend::Event to_comm_ = backend_.make_event();    ///< recorded on the work stream, for the comm stream
   typename Backend::Event from_comm_ = backend_.make_event();  ///< recorded on the comm stream, for the work stream
-  bool comm_pending_ = false;  ///< work issued on the comm stream that the work stream has not waited for
+  bool comm_pending_ = false;              ///< work issued on the comm stream that the work stream has not waited for
   std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step
   std::vector<std::size_t> bucket_ready_;  ///< ready tensors per bucket in this micro-step
   std::size_t next_bucket_ = 0;            ///< buckets [0, next_bucket_) are issued in this micro-step

@@ -37,6 +37,14 @@ enum class StepReport {
             ///< report: last_step(), all_ranks_have_batch() or save_checkpoint()
 };
 
+/// When the user's stream may read the parameters an optimizer step wrote (docs/cuda.md, "Parameters by bucket").
+enum class ParametersReady {
+  at_step,   ///< when step() returns: the user's stream waits for every bucket's update, gather and unpack
+  by_bucket  ///< bucket by bucket: step() leaves the user's stream waiting for the updates only, and the user's stream
+             ///< waits for bucket b's gather and unpack through DataParallel::wait_parameters(b) (or parameters(b)),
+             ///< so the next forward reads the first buckets while the last ones are still gathered
+};
+
 struct DataParallelOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;       ///< fp32 gradient bytes per bucket
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  ///< the first bucket (the last layers)
@@ -59,7 +67,8 @@ struct DataParallelOptions {
   /// fp16 overflows where the averaged sum exceeds 65504 (no loss scaling here: set non_finite to catch it); bf16
   /// keeps fp32's range with 8 bits of mantissa.
   DType reduce_dtype = DType::fp32;
-  StepReport step_report = StepReport::at_step;  ///< when step() reports an optimizer step's outcome
+  StepReport step_report = StepReport::at_step;                 ///< when step() reports an optimizer step's outcome
+  ParametersReady parameters_ready = ParametersReady::at_step;  ///< when the user's stream may read new parameters
   Stream stream = {};  ///< the user's stream (backward writes gradients on it); tandem orders its work after it
 };
 
@@ -87,6 +96,10 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
   if (const auto n = static_cast<unsigned>(options.step_report); n > static_cast<unsigned>(StepReport::deferred))
     fail("tandem: DataParallelOptions::step_report is " + std::to_string(n) +
          ", not a StepReport (at_step or deferred)");
+  if (const auto n = static_cast<unsigned>(options.parameters_ready);
+      n > static_cast<unsigned>(ParametersReady::by_bucket))
+    fail("tandem: DataParallelOptions::parameters_ready is " + std::to_string(n) +
+         ", not a ParametersReady (at_step or by_bucket)");
   if (const DType r = options.reduce_dtype; r != DType::fp32 && r != DType::bf16 && r != DType::fp16)
     fail(std::string("tandem: DataParallelOptions::reduce_dtype is ") +
          (r == DType::fp64 ? "fp64" : "DType " + std::to_string(static_cast<int>(r))) +
