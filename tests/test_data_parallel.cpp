@@ -470,12 +470,14 @@ TEST_CASE_TEMPLATE(
   // One rank without clipping: the step makes no host read, so it can be captured (HostStream::begin_capture, the
   // stand-in for a CUDA graph's capture). The "backward" is the user's launch on their stream, from the parameters
   // (a quadratic loss), so a replay trains on as an eager step does. Each replay's AdamW step must use its own step
-  // count's bias corrections: scalars fixed at capture would give other bits.
+  // count's bias corrections: scalars fixed at capture would give other bits. Under ParametersReady::by_bucket the
+  // capture holds the next pass's wait for every bucket (the comm stream rejoins the capture through them), and an
+  // eager wait after the replays issues nothing (it would wait for an event last recorded in the capture).
   constexpr std::size_t n = 3000;
   constexpr int steps = 6;
   for (const int accumulation : {1, 2}) {
     CAPTURE(accumulation);
-    auto train = [&](bool captured) {
+    auto train = [&](bool captured, tandem::ParametersReady ready) {
       QuadraticProblem problem(n);
       std::vector<float>& w = problem.w;
       std::uint64_t saved_steps = 0;
@@ -486,7 +488,10 @@ TEST_CASE_TEMPLATE(
         const std::shared_ptr<HostWaits> waits = backend.waits;
         tandem::DataParallel<Policy, tandem::AdamW, WaitCountingBackend> dp(
             comm, {{"w", w.data(), problem.g.data(), n}}, {.lr = 1e-2f},
-            {.bucket_cap_bytes = 4096, .accumulation_steps = accumulation, .stream = user.stream()},
+            {.bucket_cap_bytes = 4096,
+             .accumulation_steps = accumulation,
+             .parameters_ready = ready,
+             .stream = user.stream()},
             std::move(backend));
         dp.broadcast_parameters();
         const tandem::StreamHostBackend launcher;
@@ -494,6 +499,7 @@ TEST_CASE_TEMPLATE(
           for (int k = 0; k < accumulation; ++k) {
             launcher.launch(1, problem.gradient(), user.stream());
             dp.step();
+            for (std::size_t b = 0; b < dp.num_buckets(); ++b) dp.wait_parameters(b);  // the next pass reads them all
           }
         };
         optimizer_step();  // eager first in both runs, as a CUDA graph is captured after a warm-up step
@@ -508,6 +514,7 @@ TEST_CASE_TEMPLATE(
           CHECK(waits->synchronizes == synchronizes);
           CHECK(waits->allocations == allocations);
           for (int s = 1; s < steps; ++s) graph.replay();
+          for (std::size_t b = 0; b < dp.num_buckets(); ++b) dp.wait_parameters(b);
         }
         user.synchronize();
         CHECK(dp.step_count() == (captured ? 2u : static_cast<std::uint64_t>(steps)));  // the host counts step() calls
@@ -518,9 +525,13 @@ TEST_CASE_TEMPLATE(
       std::filesystem::remove_all(dir);
       return w;
     };
-    const std::vector<float> eager = train(false), replayed = train(true);
-    CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+    const std::vector<float> eager = train(false, tandem::ParametersReady::at_step);
     CHECK(eager != std::vector<float>(n, 0.0f));
+    for (const tandem::ParametersReady ready : {tandem::ParametersReady::at_step, tandem::ParametersReady::by_bucket}) {
+      CAPTURE(ready);
+      const std::vector<float> replayed = train(true, ready);
+      CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+    }
   }
 }
 

@@ -290,7 +290,10 @@ class DataParallel {
       P::after_update(ops, b);
       const Stream s = after_work();
       (this->*steps_->params_out)(scope, b, s);
-      backend_.record(params_ready_[b], s);
+      if (options_.parameters_ready == ParametersReady::by_bucket) {
+        backend_.record(params_ready_[b], s);
+        params_pending_[b] = 1;
+      }
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
@@ -602,7 +605,7 @@ class DataParallel {
     check_bucket_call(b, "parameters");
     if (params_open_[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
-    backend_.wait(options_.stream, params_ready_[b]);  // ParametersReady::by_bucket: the last step's work on b
+    wait_pending_parameters(b);  // ParametersReady::by_bucket: the last step's work on b
     Ops ops{*this};
     const void* params = P::open_parameters(ops, b);
     params_open_[b] = 1;
@@ -620,7 +623,7 @@ class DataParallel {
     if (b >= plan_.num_buckets())
       detail::fail("tandem: wait_parameters(" + std::to_string(b) + "): bucket out of range; the plan has " +
                    std::to_string(plan_.num_buckets()) + " buckets");
-    backend_.wait(options_.stream, params_ready_[b]);
+    wait_pending_parameters(b);
   }
 
   /// Under ParameterSharded: starts gathering bucket b's parameters now, on the comm stream, so that the gather
@@ -948,12 +951,27 @@ class DataParallel {
   /// nothing was issued there since the last join). So the communicator's collectives, on either stream, run in the
   /// order they are issued: each stream issues one only after waiting for the other. With `user_too` the user's stream
   /// waits for the comm stream too (a call leaving: a capture's fork to the comm stream rejoins the capturing stream).
+  ///
+  /// The comm stream first waits for the work stream (a no-op for the order): in a capture that began after the comm
+  /// stream's last work, the event the work stream waits for is then recorded in the capture, as CUDA requires.
   void join_comm(bool user_too = false) {
     if (!comm_pending_) return;
+    after_work();
     backend_.record(from_comm_, comm_stream());
     backend_.wait(work_stream(), from_comm_);
-    if (user_too) backend_.wait(options_.stream, from_comm_);
+    if (user_too) {
+      backend_.wait(options_.stream, from_comm_);
+      std::fill(params_pending_.begin(), params_pending_.end(), 0);  // the user's stream waited for every bucket
+    }
     comm_pending_ = false;
+  }
+  /// ParametersReady::by_bucket: the user's stream waits for bucket b's gather and unpack in the last step, once (an
+  /// event wait only while one is pending: none after a call that made the user's stream wait for the comm stream, so
+  /// an eager call never waits for an event last recorded in a capture, nor a captured one for an eager record).
+  void wait_pending_parameters(std::size_t b) {
+    if (!params_pending_[b]) return;
+    backend_.wait(options_.stream, params_ready_[b]);
+    params_pending_[b] = 0;
   }
 
   /// How a call's hold on the user's buffers ends.
@@ -1411,6 +1429,7 @@ class DataParallel {
     for (std::size_t k = 0; k < state_.grad_slots(); ++k) slot_events_.push_back(backend_.make_event());
     bucket_open_.assign(plan_.num_buckets(), 0);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_ready_.push_back(backend_.make_event());
+    params_pending_.assign(plan_.num_buckets(), 0);
   }
 
   TANDEM_COLD void build_pack_tables() {
@@ -1737,8 +1756,9 @@ class DataParallel {
   detail::SlotPool slots_;                             ///< which gradient slot each bucket holds in this micro-step
   std::vector<typename Backend::Event> slot_events_;   ///< recorded when slot s is zero again (comm stream, or a reset)
   std::vector<typename Backend::Event> params_ready_;  ///< recorded after step()'s gather and unpack of bucket b (comm)
-  std::vector<unsigned char> bucket_open_;             ///< a GradientBucket of bucket b is alive
-  std::string broken_;                                 ///< why the current micro-step cannot go on (empty: it can)
+  std::vector<unsigned char> params_pending_;  ///< by_bucket: the user's stream has not waited for params_ready_[b]
+  std::vector<unsigned char> bucket_open_;     ///< a GradientBucket of bucket b is alive
+  std::string broken_;                         ///< why the current micro-step cannot go on (empty: it can)
   std::string restore_failed_;  ///< why the state cannot be trained on until a load succeeds (empty: it can)
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
