@@ -4,6 +4,8 @@
 // safetensors files (written, read back, and refused when their header is wrong), and the manifest (written, parsed
 // back, refused).
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -195,6 +197,37 @@ TEST_CASE("safetensors: pieces written in place, copied or whole, adjacent or sc
   CHECK(f.recorded_crc("c", crc));
   CHECK(crc == tandem::detail::crc32c(c_back.data(), c_back.size() * 4));
   std::remove(path.c_str());
+}
+
+TEST_CASE("safetensors: a file the disk has no room for fails before anything is written, and leaves nothing") {
+  const std::string path = test::temp_path("no_room") + ".safetensors";
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  const auto left = [&] {  // the file, or a temporary file of it
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      n += e.path().filename().string().starts_with(std::filesystem::path(path).filename().string());
+    return n;
+  };
+  bool reserves = false;  // whether the file system reserves space ahead (fallocate)
+#ifdef __linux__
+  {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+    REQUIRE(fd >= 0);
+    reserves = ::fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, 4096) == 0;
+    ::close(fd);
+    std::filesystem::remove(path);
+  }
+#endif
+  if (!reserves) {
+    MESSAGE("skipped: the file system of " << dir.string() << " does not reserve space ahead (no fallocate)");
+    return;
+  }
+  // 2^48 fp32 elements, 1 PiB: past ext4's largest file and any disk's free space.
+  const auto write = [&] {
+    tandem::SafetensorsWriter w(path, {{"huge", tandem::DType::fp32, std::uint64_t{1} << 48}}, {}, "the test file");
+  };
+  CHECK_THROWS_WITH_AS(write(), doctest::Contains("no room on the disk for the test file"), tandem::error);
+  CHECK(left() == 0);
 }
 
 TEST_CASE("safetensors: the checksums in one metadata value in data order, or per name as earlier files have them") {

@@ -60,6 +60,23 @@ class AtomicFile {
     if (!committed_ && !crashed_) ::unlink(temp_.c_str());
   }
 
+  /// Reserves disk space for a file of `bytes` (the size stays what was written): one allocation instead of one per
+  /// write, and a disk without room for the whole file fails here, before anything is written. A file system that
+  /// cannot reserve space ahead (no fallocate) writes as it would without.
+  void reserve(std::uint64_t bytes) {
+#ifdef __linux__
+    if (bytes == 0) return;
+    int r;
+    do r = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
+    while (r != 0 && errno == EINTR);
+    if (r != 0 && (errno == ENOSPC || errno == EDQUOT || errno == EFBIG))
+      fail("tandem: no room on the disk for " + what_ + " `" + temp_ + "` (" + std::to_string(bytes) +
+           " bytes): " + std::strerror(errno));
+#else
+    (void)bytes;
+#endif
+  }
+
   /// Appends n bytes.
   void write(const void* data, std::size_t n) {
     const std::size_t limit = checkpoint_fault_after_bytes();

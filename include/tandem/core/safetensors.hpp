@@ -94,6 +94,9 @@ class SafetensorsWriter {
     crcs_.assign(entries_.size(), 0);
     header_ = header();  // (the checksums' digits zero until commit)
     const std::uint64_t n = header_.size();
+    std::uint64_t total = 8 + n;
+    for (std::size_t i = 0; i < entries_.size(); ++i) total += bytes(i);
+    file_.reserve(total);
     file_.write(&n, 8);
     file_.write(header_.data(), header_.size());
   }
