@@ -2,9 +2,9 @@
 // Sharded checkpoints: DataParallel::save_checkpoint and load_checkpoint of a layout (the GPT-2-124M tensor list, or
 // 10,000 x 1 KB) at 1 and 2 ranks (threads), OptimizerSharded, AdamW, fp32 (12 bytes per element: parameters and two
 // state arrays), against plain POSIX I/O of the same bytes to the same disk in the same run (PlainFiles, below):
-//   save  x_plain = (the same files written anew with write() + fsync and renamed over the previous ones, a thread per
-//                   file) / save time (a save replaces the previous checkpoint: it removes the files only that one
-//                   named)
+//   save  x_plain = (the same files written anew with write() + fsync under new names, a thread per file, the directory
+//                   flushed, then the previous ones removed) / save time (a save replaces the previous checkpoint: it
+//                   removes the files only that one named)
 //   load  x_plain = (the same files read with pread(), a thread per file) / load time, both from the disk: every file
 //                   read (the checkpoint's manifest and shards, the plain files) is written back and dropped from the
 //                   page cache (posix_fadvise DONTNEED) just before
@@ -12,8 +12,8 @@
 // (at the saving plan a rank of a load reads its own file, and gathers the parameters it keeps beyond its shard from
 // the other ranks)
 // (1.0: as fast as plain I/O of the checkpoint's bytes; the goal is >= 0.7), each the median over 5 rounds of the
-// ratio within a round, where the two run one after the other. The reported time is the best round's (a load's: from
-// the disk).
+// ratio within a round, where the two run one after the other, the file system synced (untimed) after each. The
+// reported time is the best round's (a load's: from the disk).
 // The save's host memory beyond what training holds is counted too: peak_host_MB, the peak of the bytes it allocates
 // through operator new (its streaming chunk, headers, the manifest) over the run of one save, beside model_MB, the
 // state it writes.
