@@ -70,18 +70,47 @@ const tandem::CudaBackend& backend() {
   return cuda;
 }
 
+/// How a pack benchmark launches: one launch per bucket (what a step does today), or one launch over every bucket
+/// of the layout (issue #16: "where buckets allow, one launch over several buckets"), with `chunk` elements per item.
+struct PackVariant {
+  bool one_launch = false;
+  std::size_t chunk = tandem::pack_chunk_elements;
+  std::string suffix() const {
+    return std::string(one_launch ? "/one_launch" : "") +
+           (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk));
+  }
+};
+
+/// Every bucket's table as one: tensor offsets counted from the start of the flat storage, items renumbered.
+tandem::PackTable whole_layout_table(const tandem::Plan& plan, const std::vector<void*>& pointers, std::size_t chunk) {
+  tandem::PackTable all;
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
+    const tandem::PackTable t = tandem::make_pack_table(plan, b, pointers, chunk);
+    const auto base = static_cast<std::uint32_t>(all.tensors.size());
+    for (tandem::PackTensor tensor : t.tensors) {
+      tensor.offset += plan.bucket(b).offset;
+      all.tensors.push_back(tensor);
+    }
+    for (tandem::PackItem it : t.reading_bucket) all.reading_bucket.push_back({it.tensor + base, it.count, it.begin});
+    for (tandem::PackItem it : t.reading_user) all.reading_user.push_back({it.tensor + base, it.count, it.begin});
+  }
+  return all;
+}
+
 /// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
-/// buckets and the resident tables, built once per (layout, types).
+/// buckets and the resident tables, built once per (layout, variant, types).
 template <class UserT, class BucketT>
 struct PackSetup {
   std::vector<std::size_t> sizes;
   tandem::Plan plan;
+  PackVariant variant;
   DeviceBytes user, flat;
   tandem::ResidentPackTables<tandem::CudaBackend> tables;
 
-  explicit PackSetup(const std::string& layout)
+  PackSetup(const std::string& layout, PackVariant v)
       : sizes(bench::layout(layout)),
         plan(sizes, options()),
+        variant(v),
         user((bench::total(sizes) + 16 * sizes.size()) * sizeof(UserT)),
         flat(plan.total_size() * sizeof(BucketT)) {
     std::vector<void*> pointers;
@@ -91,10 +120,14 @@ struct PackSetup {
       at += (n + 15) / 16 * 16;
     }
     std::vector<tandem::PackTable> host;
-    for (std::size_t b = 0; b < plan.num_buckets(); ++b) host.push_back(tandem::make_pack_table(plan, b, pointers));
+    if (v.one_launch)
+      host.push_back(whole_layout_table(plan, pointers, v.chunk));
+    else
+      for (std::size_t b = 0; b < plan.num_buckets(); ++b)
+        host.push_back(tandem::make_pack_table(plan, b, pointers, v.chunk));
     tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
-    TANDEM_CUDA_CHECK(cudaMemset(user.p, 0, at * sizeof(UserT)));
-    TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0, plan.total_size() * sizeof(BucketT)));
+    TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, at * sizeof(UserT)));  // 0.186 in fp32 and bf16: not zeros
+    TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, plan.total_size() * sizeof(BucketT)));
     backend().synchronize(backend().stream());
   }
   static tandem::PlanOptions options() {
@@ -103,25 +136,34 @@ struct PackSetup {
     o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
     return o;
   }
-  static PackSetup& get(const std::string& layout) {
+  /// Launches: one per table, each over its bucket (or over the whole layout).
+  std::size_t launches() const { return tables.size(); }
+  /// Where table k's tensor offsets count from.
+  BucketT* base(std::size_t k) const {
+    return static_cast<BucketT*>(flat.p) + (variant.one_launch ? 0 : plan.bucket(k).offset);
+  }
+  static PackSetup& get(const std::string& layout, PackVariant v) {
+    // The backend is built before the cache, so that at exit it is destroyed after it: the tables free themselves
+    // on the backend's stream (the other order crashed the first GPU run at exit).
+    backend();
     static std::map<std::string, std::unique_ptr<PackSetup>> cache;
-    auto& p = cache[layout];
-    if (!p) p = std::make_unique<PackSetup>(layout);
+    auto& p = cache[layout + v.suffix()];
+    if (!p) p = std::make_unique<PackSetup>(layout, v);
     return *p;
   }
 };
 
 template <class UserT, class BucketT, PackDirection Direction>
-void BM_pack(benchmark::State& state, const std::string& layout) {
-  auto& s = PackSetup<UserT, BucketT>::get(layout);
+void BM_pack(benchmark::State& state, const std::string& layout, PackVariant variant) {
+  auto& s = PackSetup<UserT, BucketT>::get(layout, variant);
   const tandem::CudaBackend& cuda = backend();
   const cudaStream_t stream = tandem::detail::native(cuda.stream());
   auto one_pass = [&] {
-    for (std::size_t b = 0; b < s.plan.num_buckets(); ++b) {
-      const tandem::PackTableView& t = s.tables[b];
-      auto* bucket = static_cast<BucketT*>(s.flat.p) + s.plan.bucket(b).offset;
+    for (std::size_t k = 0; k < s.launches(); ++k) {
+      const tandem::PackTableView& t = s.tables[k];
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
-      cuda.launch(t.items, tandem::PackBody<UserT, BucketT, Direction>{items, t.tensors, bucket, 1.0f}, cuda.stream());
+      cuda.launch(t.items, tandem::PackBody<UserT, BucketT, Direction>{items, t.tensors, s.base(k), 1.0f},
+                  cuda.stream());
     }
   };
   one_pass();  // warm up
@@ -137,14 +179,14 @@ void BM_pack(benchmark::State& state, const std::string& layout) {
   const std::size_t traffic = n * (src + dst);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
   state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
-  state.counters["launches"] = static_cast<double>(s.plan.num_buckets());
+  state.counters["launches"] = static_cast<double>(s.launches());
 }
 
 template <class P>
 void BM_adamw(benchmark::State& state) {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
   DeviceBytes master(n * 4), grad(n * 4), s0(n * 4), s1(n * 4), param(n * sizeof(P));
-  for (void* p : {master.p, grad.p, s0.p, s1.p}) TANDEM_CUDA_CHECK(cudaMemset(p, 0, n * 4));
+  for (void* p : {master.p, grad.p, s0.p, s1.p}) TANDEM_CUDA_CHECK(cudaMemset(p, 0x3e, n * 4));  // 0.186: not zeros
   tandem::UpdateArgs<P> a;
   a.master = static_cast<float*>(master.p);
   a.param = std::is_same_v<P, float> ? reinterpret_cast<P*>(master.p) : static_cast<P*>(param.p);
@@ -199,8 +241,8 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph) {
     at += (n + 15) / 16 * 16;
   }
   DeviceBytes params(at * sizeof(float)), grads(at * sizeof(float));
-  TANDEM_CUDA_CHECK(cudaMemset(params.p, 0, at * sizeof(float)));
-  TANDEM_CUDA_CHECK(cudaMemset(grads.p, 0, at * sizeof(float)));
+  TANDEM_CUDA_CHECK(cudaMemset(params.p, 0x3e, at * sizeof(float)));  // 0.186: not zeros
+  TANDEM_CUDA_CHECK(cudaMemset(grads.p, 0x3e, at * sizeof(float)));
   std::vector<tandem::TensorRef> refs;
   for (std::size_t i = 0; i < sizes.size(); ++i)
     refs.push_back({"t" + std::to_string(i), static_cast<float*>(params.p) + offsets[i],
@@ -254,21 +296,37 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph) {
 #endif
 
 void register_all() {
+  const PackVariant per_bucket{};
   for (const char* name : {"gpt2", "10000x1KB"}) {
     const std::string l = name;
     benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l).c_str(), BM_pack<float, float, PackDirection::to_bucket>,
-                                 l)
+                                 l, per_bucket)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l).c_str(),
-                                 BM_pack<float, float, PackDirection::from_bucket>, l)
+                                 BM_pack<float, float, PackDirection::from_bucket>, l, per_bucket)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("cuda_pack/bf16->fp32/" + l).c_str(),
-                                 BM_pack<tandem::BFloat16, float, PackDirection::to_bucket>, l)
+                                 BM_pack<tandem::BFloat16, float, PackDirection::to_bucket>, l, per_bucket)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  // What one launch over every bucket, and larger items, would give (no target: they say where to go next).
+  for (const PackVariant v : {PackVariant{.one_launch = true}, PackVariant{.one_launch = true, .chunk = 4096},
+                              PackVariant{.chunk = 4096}})
+    for (const char* name : {"gpt2", "10000x1KB"}) {
+      const std::string l = name;
+      if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
+      benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l + v.suffix()).c_str(),
+                                   BM_pack<float, float, PackDirection::to_bucket>, l, v)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l + v.suffix()).c_str(),
+                                   BM_pack<float, float, PackDirection::from_bucket>, l, v)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   benchmark::RegisterBenchmark("cuda_adamw/fp32", BM_adamw<float>)
       ->RangeMultiplier(16)
       ->Range(1 << 20, 1 << 28)

@@ -39,21 +39,24 @@ int main() {
       TANDEM_CUDA_CHECK(cudaMemsetAsync(params[i], 0, sizes[i] * sizeof(float), stream));
       refs.push_back({"layer" + std::to_string(i), params[i], grads[i], sizes[i], tandem::DType::fp32});
     }
-    // 1. Wrap the buffers; tandem's work is ordered after `stream` and on its own work stream.
-    tandem::DataParallel<tandem::GradientSharded, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-        comm, refs, {.lr = 1e-2f}, {.max_grad_norm = 1.0f, .stream = {stream}});
-    dp.broadcast_parameters();  // rank 0's initial values everywhere
-    for (int step = 0; step < 20; ++step) {
-      // 2. Backward produces gradients last layer first; announce each one as soon as its kernel is enqueued.
-      for (std::size_t i = sizes.size(); i-- > 0;) {
-        toy_backward<<<256, 256, 0, stream>>>(params[i], grads[i], sizes[i], 1.0f, comm.rank());
-        TANDEM_CUDA_CHECK(cudaGetLastError());
-        dp.grad_ready(i);  // the bucket's pack + reduce-scatter start behind this point of `stream`
+    {
+      // 1. Wrap the buffers; tandem's work is ordered after `stream` and on its own work stream. `stream` must
+      //    outlive `dp`: its destructor orders the release of tandem's buffers after the work issued on `stream`.
+      tandem::DataParallel<tandem::GradientSharded, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
+          comm, refs, {.lr = 1e-2f}, {.max_grad_norm = 1.0f, .stream = {stream}});
+      dp.broadcast_parameters();  // rank 0's initial values everywhere
+      for (int step = 0; step < 20; ++step) {
+        // 2. Backward produces gradients last layer first; announce each one as soon as its kernel is enqueued.
+        for (std::size_t i = sizes.size(); i-- > 0;) {
+          toy_backward<<<256, 256, 0, stream>>>(params[i], grads[i], sizes[i], 1.0f, comm.rank());
+          TANDEM_CUDA_CHECK(cudaGetLastError());
+          dp.grad_ready(i);  // the bucket's pack + reduce-scatter start behind this point of `stream`
+        }
+        // 3. Finish the step: the rest of the reductions, the update, the all-gather, the unpack. Work issued on
+        //    `stream` afterwards (the next forward) waits for it; the host does not.
+        dp.step();
       }
-      // 3. Finish the step: the rest of the reductions, the update, the all-gather, the unpack. Work issued on
-      //    `stream` afterwards (the next forward) waits for it; the host does not.
-      dp.step();
-    }
+    }  // 4. `dp` is gone; the buffers it wrapped and the stream are the user's to free
     float w0 = 0.0f;
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(&w0, params[0], sizeof w0, cudaMemcpyDeviceToHost, stream));
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));

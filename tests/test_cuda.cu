@@ -30,6 +30,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/device_memory.hpp"
@@ -705,19 +706,29 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("Nccl::wait_stream on a stream that never gets there: timeout_error, and the communicator is aborted") {
     using namespace std::chrono_literals;
-    tandem::NcclGroup({0}, {.timeout = 300ms}).run([&](tandem::Nccl& comm) {
+    // The timeout bounds the initialisation too, which took over 300 ms on an H200: 3 s.
+    tandem::NcclGroup({0}, {.timeout = 3s}).run([&](tandem::Nccl& comm) {
       cudaStream_t s = nullptr;
       TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       {
         HostFlag flag;
         spin_until_set<<<1, 1, 0, s>>>(flag.device());
         TANDEM_CUDA_CHECK(cudaGetLastError());
+        // ncclCommAbort frees device memory, and a free waits for every kernel running on the device: the abort
+        // that follows the timeout returns only once this test's own kernel ends (it hung the first GPU run, which
+        // released the flag after the wait). So a thread ends the kernel 8 s in, well after the 3 s timeout: a
+        // wait_stream that did not time out would return normally then, and fail the check below.
         const auto start = std::chrono::steady_clock::now();
+        std::jthread ender([&] {
+          std::this_thread::sleep_for(8s);
+          flag.release();
+        });
         CHECK_THROWS_AS(comm.wait_stream(tandem::Stream{s}, "a test's wait"), tandem::timeout_error);
+        CHECK(seconds_since(start) >= 3.0);
         CHECK(seconds_since(start) < 30.0);
         CHECK(comm.native() == nullptr);  // aborted: a later call fails at once
         CHECK_THROWS_AS(comm.barrier(), tandem::nccl_error);
-      }  // the kernel ends
+      }  // the thread is joined, then the flag freed
       TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
       TANDEM_CUDA_CHECK(cudaStreamDestroy(s));
     });
