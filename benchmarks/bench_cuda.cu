@@ -70,14 +70,23 @@ const tandem::CudaBackend& backend() {
   return cuda;
 }
 
+/// A backend whose launches are programmatic (CudaBackendOptions::programmatic_launch): what that saves, in the same
+/// run.
+const tandem::CudaBackend& programmatic_backend() {
+  static const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.programmatic_launch = true});
+  return cuda;
+}
+
 /// How a pack benchmark launches: one launch per bucket (what a step does today), or one launch over every bucket
 /// of the layout (issue #16: "where buckets allow, one launch over several buckets"), with `chunk` elements per item.
 struct PackVariant {
   bool one_launch = false;
   std::size_t chunk = tandem::pack_chunk_elements;
+  bool programmatic = false;  ///< launched by programmatic_backend(), or by backend() (plain launches)
   std::string suffix() const {
     return std::string(one_launch ? "/one_launch" : "") +
-           (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk));
+           (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
+           (programmatic ? "/programmatic" : "");
   }
 };
 
@@ -146,6 +155,7 @@ struct PackSetup {
     // The backend is built before the cache, so that at exit it is destroyed after it: the tables free themselves
     // on the backend's stream (the other order crashed the first GPU run at exit).
     backend();
+    programmatic_backend();
     static std::map<std::string, std::unique_ptr<PackSetup>> cache;
     auto& p = cache[layout + v.suffix()];
     if (!p) p = std::make_unique<PackSetup>(layout, v);
@@ -156,7 +166,7 @@ struct PackSetup {
 template <class UserT, class BucketT, PackDirection Direction>
 void BM_pack(benchmark::State& state, const std::string& layout, PackVariant variant) {
   auto& s = PackSetup<UserT, BucketT>::get(layout, variant);
-  const tandem::CudaBackend& cuda = backend();
+  const tandem::CudaBackend& cuda = variant.programmatic ? programmatic_backend() : backend();
   const cudaStream_t stream = tandem::detail::native(cuda.stream());
   auto one_pass = [&] {
     for (std::size_t k = 0; k < s.launches(); ++k) {
@@ -232,7 +242,7 @@ void BM_adamw(benchmark::State& state) {
 /// replayed from a CUDA graph it was captured into after a first eager step (docs/cuda.md, "Capturing a step"). Its
 /// floor is its memory traffic: the pack reads the gradients and writes the bucket, AdamW reads gradient, weight, m
 /// and v and writes weight, m and v, the unpack reads the bucket and writes the parameters (44 bytes per element).
-void BM_step(benchmark::State& state, const std::string& layout, bool graph) {
+void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool programmatic) {
   const std::vector<std::size_t> sizes = bench::layout(layout);
   std::size_t at = 0;
   std::vector<std::size_t> offsets;
@@ -256,7 +266,8 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph) {
     cudaGraphExec_t exec = nullptr;
     try {
       tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-          comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}});
+          comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}},
+          tandem::CudaBackend(tandem::CudaBackendOptions{.programmatic_launch = programmatic}));
       dp.broadcast_parameters();
       dp.step();  // the warm-up step: whatever a first step sets up is set up
       if (graph) {
@@ -312,9 +323,10 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  // What one launch over every bucket, and larger items, would give (no target: they say where to go next).
-  for (const PackVariant v : {PackVariant{.one_launch = true}, PackVariant{.one_launch = true, .chunk = 4096},
-                              PackVariant{.chunk = 4096}})
+  // What programmatic launches, one launch over every bucket, and larger items give (no target: they say where to go
+  // next).
+  for (const PackVariant v : {PackVariant{.programmatic = true}, PackVariant{.one_launch = true},
+                              PackVariant{.one_launch = true, .chunk = 4096}, PackVariant{.chunk = 4096}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
@@ -338,12 +350,15 @@ void register_all() {
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
 #if TANDEM_BENCH_STEP
-  for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
-    benchmark::RegisterBenchmark(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2", BM_step, std::string("gpt2"),
-                                 graph)
-        ->Iterations(20)
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond);
+  for (const bool programmatic : {false, true})
+    for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
+      benchmark::RegisterBenchmark(
+          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (programmatic ? "/programmatic" : ""))
+              .c_str(),
+          BM_step, std::string("gpt2"), graph, programmatic)
+          ->Iterations(20)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
 #endif
 }
 

@@ -734,6 +734,37 @@ TEST_SUITE("gpu") {
     });
   }
 
+  TEST_CASE("programmatic launches keep the order of dependent kernels: a chain of accumulating casts is the host's") {
+    // Each link adds a scaled copy of one buffer into the other, so it reads what the link before it wrote: a
+    // programmatic launch that touched memory before the previous kernel had completed would change the bits.
+    const std::size_t n = (std::size_t{1} << 22) + 37;  // more items than one wave of warps, and a scalar tail
+    const std::vector<float> x = normal_floats(n, 31), y = normal_floats(n, 32);
+    constexpr int links = 40;
+    using Link = tandem::CastBody<float, float, tandem::WriteMode::accumulate>;
+    auto link = [&](int k, float* a, float* b) {
+      const float scale = 0.5f + 0.01f * static_cast<float>(k);
+      return k % 2 == 0 ? Link{a, b, n, scale} : Link{b, a, n, scale};
+    };
+    std::vector<float> ha = x, hb = y;
+    const tandem::HostBackend host;
+    for (int k = 0; k < links; ++k) host.launch(tandem::cast_items(n), link(k, ha.data(), hb.data()));
+    for (const bool programmatic : {false, true}) {
+      CAPTURE(programmatic);
+      const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.programmatic_launch = programmatic});
+      Device<float> da(n), db(n);
+      da.upload(x.data(), n);
+      db.upload(y.data(), n);
+      for (int k = 0; k < links; ++k) cuda.launch(tandem::cast_items(n), link(k, da.p, db.p), cuda.stream());
+      cuda.synchronize(cuda.stream());
+      std::vector<float> ga(n), gb(n);
+      da.download(ga.data(), n);
+      db.download(gb.data(), n);
+      CHECK(std::memcmp(ga.data(), ha.data(), n * sizeof(float)) == 0);
+      CHECK(std::memcmp(gb.data(), hb.data(), n * sizeof(float)) == 0);
+    }
+    CHECK(cudaGetLastError() == cudaSuccess);
+  }
+
   TEST_CASE("CudaBackend::sum_to allocates nothing after its first call, whichever stream it runs on") {
     const tandem::CudaBackend cuda;
     cudaMemPool_t pool = nullptr;

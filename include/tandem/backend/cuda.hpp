@@ -11,6 +11,12 @@
 //             the mapping host tests emulate): the warp's threads are the body's lanes. max_blocks() is the device's
 //             resident blocks (SMs x resident_threads_per_sm / block_threads), so a launch is one wave and a larger one
 //             strides. The __global__ wrappers below only forward: every computation is in the host+device bodies.
+//             With CudaBackendOptions::programmatic_launch (off by default: not yet measured on a GPU) a launch on a
+//             device of compute capability 9.0 or newer is programmatic (the launch attribute
+//             cudaLaunchAttributeProgrammaticStreamSerialization): its blocks may be scheduled while the previous
+//             kernel on the stream drains, and each waits (griddepcontrol.wait) until that kernel has completed and
+//             its writes are visible before it touches memory, so the order is a plain launch's. It is meant to hide
+//             the ~2.6 us each launch costs beyond its bytes on an H200 (docs/cuda.md).
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
 //             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
@@ -71,6 +77,14 @@ namespace detail {
 /// item. __launch_bounds__: every launch uses block_threads threads, which the compiler allocates registers for.
 template <class Body>
 TANDEM_KERNEL void __launch_bounds__(block_threads) run_items(Body body, std::size_t items) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // In a programmatic launch (CudaBackend::launch) the next kernel may be scheduled now, and this one waits for the
+  // previous kernel's completion and writes before it reads or writes anything. In a plain launch both do nothing
+  // (PTX ISA: .wait waits for the prerequisite grids in flight, .launch_dependents signals the dependents the runtime
+  // designated; a plain launch has neither), so one kernel serves both.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const unsigned lane = threadIdx.x % item_lanes;
   for_each_item_of_warp(blockIdx.x, threadIdx.x / item_lanes, gridDim.x, items,
                         [&](std::size_t item) { body(item, lane, item_lanes); });
@@ -180,6 +194,10 @@ struct CudaBackendOptions {
   /// How long read() and synchronize() wait for a stream before they throw tandem::timeout_error (as
   /// LocalGroupOptions::timeout; milliseconds::max(): no bound).
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// Whether launch() uses programmatic dependent launch where the device has it (compute capability 9.0 or newer):
+  /// the launch overlaps the previous kernel's end; the order of memory accesses is a plain launch's. Off until a GPU
+  /// run has measured it (bench_cuda's /programmatic rows) and run its test.
+  bool programmatic_launch = false;
 };
 
 namespace detail {
@@ -214,6 +232,9 @@ class CudaBackend {
     int sms = 0;
     TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     max_blocks_ = static_cast<unsigned>(std::clamp(sms, 1, 1024)) * (resident_threads_per_sm / block_threads);
+    int major = 0;
+    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+    programmatic_ = options.programmatic_launch && major >= 9;
     if (s == nullptr) {
       TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
       stream_.handle = s;
@@ -233,6 +254,7 @@ class CudaBackend {
   CudaBackend(CudaBackend&& o) noexcept
       : device_(o.device_),
         max_blocks_(o.max_blocks_),
+        programmatic_(o.programmatic_),
         stream_(std::exchange(o.stream_, Stream{})),
         comm_stream_(std::exchange(o.comm_stream_, Stream{})),
         owns_stream_(std::exchange(o.owns_stream_, false)),
@@ -305,8 +327,21 @@ class CudaBackend {
     const LaunchShape shape = launch_shape(items, max_blocks_);
     if (shape.grid == 0) return;
     const detail::CudaDeviceGuard guard(device_);
-    detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
-    TANDEM_CUDA_CHECK(cudaGetLastError());
+    if (!programmatic_) {
+      detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
+      TANDEM_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+    cudaLaunchAttribute programmatic{};
+    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    programmatic.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(shape.grid);
+    config.blockDim = dim3(shape.block);
+    config.stream = s;
+    config.attrs = &programmatic;
+    config.numAttrs = 1;
+    TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, detail::run_items<Body>, body, items));
   }
 
   /// *out (device memory) = the sum over items of body(item, ...) (a double per item), deterministically. Allocates
@@ -392,6 +427,7 @@ class CudaBackend {
 
   int device_ = -1;
   unsigned max_blocks_ = max_grid_blocks;
+  bool programmatic_ = false;  // launch() is programmatic (options.programmatic_launch on a 9.0+ device)
   Stream stream_;
   Stream comm_stream_;  ///< always the backend's own
   bool owns_stream_ = false;
