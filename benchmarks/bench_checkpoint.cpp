@@ -195,7 +195,9 @@ void BM_checkpoint(benchmark::State& state, const char* layout, bool save) {
   std::size_t peak_bytes = 0;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     std::vector<tandem::TensorSpec> specs;
-    for (std::size_t i = 0; i < sizes.size(); ++i) specs.push_back({"t" + std::to_string(i), sizes[i]});
+    // (appended: GCC 12 warns falsely of overlapping copies in `"t" + std::to_string(i)`)
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      specs.push_back({std::string("t").append(std::to_string(i)), sizes[i]});
     tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs);
     dp.broadcast_parameters();
     dp.save_checkpoint(dir);  // warm up (and the files a load reads)
