@@ -4,8 +4,10 @@
 // each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the time of a device-to-device
 // cudaMemcpyAsync moving the same traffic, measured in the same run, over the measured time (1.0 = as fast as a
 // copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issues #3, #16): pack/unpack x_copy >= 0.9
-// on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Without a GPU it prints a line and
-// exits 0.
+// on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows without a target measure the
+// alternatives in the same run: programmatic launches (/programmatic, CudaBackendOptions::programmatic_launch), one
+// launch over every bucket (/one_launch) and 4096-element items (/chunk4096). Data is never zeros. Without a GPU it
+// prints a line and exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
