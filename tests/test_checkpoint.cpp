@@ -262,7 +262,7 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
     for (std::size_t i = 0; i < saved.size(); ++i) {
       const tandem::SafetensorsFile::Tensor* t = file.find(model.tensors()[i].name);
       REQUIRE(t != nullptr);
-      CHECK(t->shape == std::vector<std::uint64_t>{saved[i].size()});
+      CHECK(std::ranges::equal(t->shape, std::vector<std::uint64_t>{saved[i].size()}));
       std::vector<float> values(saved[i].size());
       file.read(t->begin, values.data(), values.size() * 4);
       CHECK(values == saved[i]);

@@ -7,9 +7,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -134,7 +136,7 @@ TEST_CASE("safetensors: written in pieces, read back by range, and refused when 
   const auto* tb = f.find("b[0:77]");
   REQUIRE(tb != nullptr);
   CHECK(tb->dtype == tandem::DType::bf16);
-  CHECK(tb->shape == std::vector<std::uint64_t>{77});
+  CHECK(std::ranges::equal(tb->shape, std::vector<std::uint64_t>{77}));
   std::vector<std::uint16_t> back(77);
   f.read(tb->begin, back.data(), back.size() * 2);
   CHECK(back == b);
@@ -266,6 +268,35 @@ TEST_CASE("safetensors: the checksums in one metadata value in data order, or pe
   CHECK(!std::filesystem::exists(path));
 }
 
+TEST_CASE("safetensors: names and shapes are views of the header, valid after the text parsed and the header moved") {
+  // Names with and without escapes, shapes of several ranks, entries in both forms; the text parsed is gone before
+  // they are read, and the header has been moved twice.
+  std::optional<tandem::SafetensorsHeader> kept;
+  {
+    std::string text = R"({"plain":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},)"
+                       R"("esc\"aped\u00e9":{ "shape" : [4], "dtype" : "BF16", "data_offsets" : [24, 32] },)"
+                       R"("scalar":{"dtype":"F64","shape":[],"data_offsets":[32,40]},)"
+                       R"("w":{"dtype":"F16","shape":[1,2,1,3,1],"data_offsets":[40,52]}})";
+    tandem::SafetensorsHeader h = tandem::parse_safetensors_header(text, 52, "h");
+    std::fill(text.begin(), text.end(), '#');
+    tandem::SafetensorsHeader moved(std::move(h));
+    kept.emplace(std::move(moved));
+  }
+  const tandem::SafetensorsHeader& h = *kept;
+  const std::vector<std::pair<std::string, std::vector<std::uint64_t>>> expected = {
+      {"plain", {2, 3}}, {"esc\"aped\xc3\xa9", {4}}, {"scalar", {}}, {"w", {1, 2, 1, 3, 1}}};
+  REQUIRE(h.tensors.size() == expected.size());
+  for (std::size_t k = 0; k < expected.size(); ++k) {
+    CAPTURE(k);
+    CHECK(h.tensors[k].name == expected[k].first);
+    CHECK(std::ranges::equal(h.tensors[k].shape, expected[k].second));
+    CHECK(h.find(expected[k].first) == &h.tensors[k]);
+  }
+  CHECK(h.tensors[1].count() == 4);
+  CHECK(h.tensors[2].count() == 1);
+  CHECK(h.tensors[3].count() == 6);
+}
+
 TEST_CASE("safetensors: an entry in any valid form parses as the same entry in the writers' form") {
   // The writers' form (matched byte for byte), then the same entry with white space, its members in another order,
   // an unknown member, or numbers too long for the quick path; each must give the same tensor.
@@ -291,7 +322,7 @@ TEST_CASE("safetensors: an entry in any valid form parses as the same entry in t
     const tandem::SafetensorsHeader h = tandem::parse_safetensors_header(header, scalar ? 2 : 12, "h");
     REQUIRE(h.tensors.size() == 1);
     CHECK(h.tensors[0].dtype == tandem::DType::bf16);
-    CHECK(h.tensors[0].shape == shape);
+    CHECK(std::ranges::equal(h.tensors[0].shape, shape));
     CHECK(h.tensors[0].end == (scalar ? 2u : 12u));
   }
   // A 20-digit offset (below 2^64) is exact; one of 2^64 or more is not a size.

@@ -43,7 +43,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const tandem::SafetensorsHeader h = tandem::parse_safetensors_header(text, size, "fuzz input");
     std::uint64_t end = 0;
     for (const auto& t : h.tensors) {
-      if (t.end < t.begin || t.end - t.begin != t.count() * tandem::dtype_size(t.dtype)) std::abort();
+      std::uint64_t count = 1;  // (the parser bounds the product below 2^60)
+      for (const std::uint64_t d : t.shape) count *= d;
+      if (t.end < t.begin || t.end - t.begin != count * tandem::dtype_size(t.dtype) || t.count() != count) std::abort();
       if (h.find(t.name) != &t) std::abort();  // each name found, as itself
       end = std::max(end, t.end);
     }

@@ -6,6 +6,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "tandem/core/config.hpp"
@@ -52,6 +53,13 @@ namespace detail {
 
 /// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
 [[noreturn]] TANDEM_COLD inline void fail(std::string what) { throw error(std::move(what)); }
+
+/// `before`, then `name` in backquotes, then `after`: a message about something named ("the checksum of `w` does not
+/// match"), built by appending (GCC 12 warns falsely of overlapping copies in `"..." + std::string&&`).
+TANDEM_COLD inline std::string naming(std::string_view before, std::string_view name, std::string_view after) {
+  std::string s(before);
+  return s.append("`").append(name).append("`").append(after);
+}
 
 /// The rank this thread works for, named in errors raised by CUDA, NCCL and MPI calls (-1: not known yet).
 /// Communicators set it when a rank's thread builds them.

@@ -10,9 +10,11 @@
 // CRC-32C in one metadata value (`crc32c`: 8 hex digits per tensor, in the order of their data, so the header's length
 // is known before the data and the digits are written in place at commit; the header's own CRC then covers the file);
 // SafetensorsFile reads a header (as a stream: no JSON document is built; entries in the form the writers write are
-// matched byte for byte, any other form parsed in full), validates it as the reference implementation does, finds
-// tensors by name through a hash index, and reads ranges. Files of the earlier form (a `crc32c/<name>` key per tensor)
-// read the same. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are refused by name.
+// matched byte for byte, any other form parsed in full; each tensor's name and shape are views of the header, which
+// keeps its text and one array of dimensions, so nothing is allocated per tensor), validates it as the reference
+// implementation does, finds tensors by name through a hash index, and reads ranges. Files of the earlier form (a
+// `crc32c/<name>` key per tensor) read the same. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are
+// refused by name.
 #pragma once
 
 #include <fcntl.h>
@@ -27,6 +29,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -236,30 +242,33 @@ class SafetensorsWriter {
   std::uint64_t done_ = 0;
 };
 
-/// One tensor of a safetensors file.
+/// One tensor of a safetensors file. Its name and shape are views of the header that holds it (SafetensorsHeader,
+/// SafetensorsFile): valid while that lives, and never allocated one by one (a shard's header names tens of thousands).
 struct SafetensorsTensor {
-  std::string name;
+  std::string_view name;
   DType dtype = DType::fp32;
-  std::vector<std::uint64_t> shape;
+  std::span<const std::uint64_t> shape;
   std::uint64_t begin = 0, end = 0;  ///< bytes of the data section
   bool has_crc = false;              ///< whether the file's metadata records its CRC-32C
   std::uint32_t crc = 0;             ///< (has_crc)
-  std::uint64_t count() const {
-    std::uint64_t n = 1;
-    for (std::uint64_t d : shape) n *= d;
-    return n;
-  }
+  /// Elements (the product of the shape, which the parser checked against the data offsets).
+  std::uint64_t count() const { return (end - begin) / dtype_size(dtype); }
 };
 
-/// A safetensors header: its tensors (in the header's order), found by name, and its metadata.
-struct SafetensorsHeader {
+/// A safetensors header: its tensors (in the header's order), found by name, and its metadata. It holds its text, which
+/// the tensors' names view (those written with escapes: a copy, unescaped), and their shapes. Moved, not copied.
+class SafetensorsHeader {
+ public:
   std::vector<SafetensorsTensor> tensors;
   std::vector<std::pair<std::string, std::string>> metadata;  ///< but the tensors' checksums, parsed into them
-  detail::NameIndex by_name;                                  ///< over `tensors`
+
+  SafetensorsHeader() = default;
+  SafetensorsHeader(SafetensorsHeader&&) = default;
+  SafetensorsHeader& operator=(SafetensorsHeader&&) = default;
 
   /// The index in `tensors` of the tensor named `name`, or detail::NameIndex::none.
   std::size_t index(std::string_view name) const {
-    return by_name.find(name, [&](std::size_t k) -> std::string_view { return tensors[k].name; });
+    return by_name_.find(name, [&](std::size_t k) -> std::string_view { return tensors[k].name; });
   }
   /// The tensor named `name`, or null.
   const SafetensorsTensor* find(std::string_view name) const {
@@ -272,6 +281,20 @@ struct SafetensorsHeader {
       if (key == k) return &value;
     return nullptr;
   }
+
+  /// Parses the n bytes of header text that `fill` writes into the header's own storage (fill(char* out)), for a data
+  /// section of `data_bytes`: see parse_safetensors_header.
+  template <class Fill>
+  static SafetensorsHeader parse(std::size_t n, Fill&& fill, std::uint64_t data_bytes, const std::string& path);
+
+ private:
+  void parse_text(std::uint64_t data_bytes, const std::string& path);
+
+  std::unique_ptr<char[]> text_;  ///< the JSON text (its address kept by a move: the names view it)
+  std::size_t text_size_ = 0;
+  std::deque<std::string> unescaped_;  ///< the names written with escapes, unescaped (stable addresses)
+  std::vector<std::uint64_t> dims_;    ///< every tensor's shape, in the header's order
+  detail::NameIndex by_name_;          ///< over `tensors`
 };
 
 namespace detail {
@@ -292,12 +315,13 @@ inline bool safetensors_dtype_of(std::string_view name, DType& out) {
 
 /// The entry at the cursor in the form the writers write (tandem's and the reference implementation's): exactly
 /// {"dtype":"<one of tandem's>","shape":[n,...],"data_offsets":[b,e]}, no white space. Matched byte for byte into
-/// t.dtype, t.shape and `offsets`; anything else leaves the cursor where it was (false).
-inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, std::uint64_t (&offsets)[2]) {
-  const std::size_t mark = p.position();
+/// t.dtype, `dims` (the shape appended) and `offsets`; anything else leaves the cursor and `dims` as they were (false).
+inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, std::vector<std::uint64_t>& dims,
+                                         std::uint64_t (&offsets)[2]) {
+  const std::size_t mark = p.position(), rank = dims.size();
   auto undo = [&] {
     p.rewind(mark);
-    t.shape.clear();
+    dims.resize(rank);
     return false;
   };
   if (!p.take("{\"dtype\":\"")) return undo();
@@ -312,7 +336,7 @@ inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, 
     do {
       std::uint64_t d = 0;
       if (!p.take_count(d)) return undo();
-      t.shape.push_back(d);
+      dims.push_back(d);
     } while (p.take(","));
     if (!p.take("]")) return undo();
   }
@@ -323,18 +347,24 @@ inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, 
 }
 
 /// The entry of tensor `name` at the cursor: {"dtype": ..., "shape": [...], "data_offsets": [b, e]}, in any order
-/// (the writers' form matched byte for byte, any other parsed member by member).
-inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, const std::string& path) {
-  if (p.next() != '{') safetensors_corrupt(path, "the entry of `" + name + "` is not an object");
+/// (the writers' form matched byte for byte, any other parsed member by member); its shape appended to `dims` (the
+/// caller points t.shape at it once `dims` no longer grows).
+inline SafetensorsTensor safetensors_tensor(std::string_view name, json::Parser& p, std::vector<std::uint64_t>& dims,
+                                            const std::string& path) {
+  const auto named = [&](const char* what) {
+    return naming(std::string("the ").append(what).append(" of "), name, "");
+  };
+  if (p.next() != '{') safetensors_corrupt(path, named("entry") + " is not an object");
   SafetensorsTensor t;
-  t.name = std::move(name);
+  t.name = name;
+  const std::size_t rank_at = dims.size();
   std::uint64_t offsets[2] = {0, 0};
-  if (!safetensors_entry_as_written(p, t, offsets)) {
+  if (!safetensors_entry_as_written(p, t, dims, offsets)) {
     std::string dtype;
     std::vector<std::uint64_t> offset_list;
     bool has_dtype = false, has_shape = false, has_offsets = false, sizes = true;
     auto once = [&](bool& seen) {
-      if (seen) safetensors_corrupt(path, "the entry of `" + t.name + "` has a member twice");
+      if (seen) safetensors_corrupt(path, named("entry") + " has a member twice");
       seen = true;
     };
     auto sizes_into = [&](std::vector<std::uint64_t>& out, bool& seen) {
@@ -353,10 +383,10 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
     p.object([&](std::string_view key) {
       if (key == "dtype") {
         once(has_dtype);
-        if (p.next() != '"') safetensors_corrupt(path, "the dtype of `" + t.name + "` is not a string");
+        if (p.next() != '"') safetensors_corrupt(path, named("dtype") + " is not a string");
         dtype = p.string();
       } else if (key == "shape") {
-        sizes_into(t.shape, has_shape);
+        sizes_into(dims, has_shape);
       } else if (key == "data_offsets") {
         sizes_into(offset_list, has_offsets);
       } else {
@@ -364,24 +394,24 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
       }
     });
     if (!has_dtype || !has_shape || !has_offsets || offset_list.size() != 2)
-      safetensors_corrupt(path, "the entry of `" + t.name + "` lacks a dtype, a shape or two data_offsets");
-    if (!sizes) safetensors_corrupt(path, "the shape or data_offsets of `" + t.name + "` are not sizes");
+      safetensors_corrupt(path, named("entry") + " lacks a dtype, a shape or two data_offsets");
+    if (!sizes) safetensors_corrupt(path, named("shape or data_offsets") + " are not sizes");
     if (!safetensors_dtype_of(dtype, t.dtype))
-      fail("tandem: `" + path + "`: tensor `" + t.name + "` is " + dtype +
+      fail(naming("tandem: `" + path + "`: tensor ", name, " is ") + dtype +
            "; tandem reads F32, BF16, F16 and F64 tensors");
     offsets[0] = offset_list[0];
     offsets[1] = offset_list[1];
   }
   std::uint64_t count = 1;
-  for (const std::uint64_t d : t.shape) {
-    if (d != 0 && count > (std::uint64_t{1} << 60) / d)
-      safetensors_corrupt(path, "the shape of `" + t.name + "` overflows");
+  for (std::size_t k = rank_at; k < dims.size(); ++k) {
+    const std::uint64_t d = dims[k];
+    if (d != 0 && count > (std::uint64_t{1} << 60) / d) safetensors_corrupt(path, named("shape") + " overflows");
     count *= d;
   }
   t.begin = offsets[0];
   t.end = offsets[1];
   if (t.end < t.begin || t.end - t.begin != count * dtype_size(t.dtype))
-    safetensors_corrupt(path, "the data_offsets of `" + t.name + "` do not match its shape and dtype");
+    safetensors_corrupt(path, named("data_offsets") + " do not match its shape and dtype");
   return t;
 }
 
@@ -391,22 +421,48 @@ inline SafetensorsTensor safetensors_tensor(std::string name, json::Parser& p, c
 /// implementation does: an object; __metadata__ of strings; each tensor's dtype, shape and offsets consistent; the
 /// tensors contiguous in offset order, covering the data exactly; no name twice. The CRC-32Cs the metadata records
 /// (`crc32c`: 8 hex digits per tensor in the order of their data; or, as earlier files have them, `crc32c/<name>`) are
-/// parsed into the tensors. `path` names the file in errors. Read as a stream (no document is built).
+/// parsed into the tensors. `path` names the file in errors. Read as a stream (no document is built); the header keeps
+/// a copy of the text.
 inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::uint64_t data_bytes,
                                                   const std::string& path) {
+  return SafetensorsHeader::parse(
+      text.size(), [&](char* out) { std::memcpy(out, text.data(), text.size()); }, data_bytes, path);
+}
+
+template <class Fill>
+SafetensorsHeader SafetensorsHeader::parse(std::size_t n, Fill&& fill, std::uint64_t data_bytes,
+                                           const std::string& path) {
+  SafetensorsHeader h;
+  h.text_ = std::make_unique_for_overwrite<char[]>(n);  // (not zeroed first: `fill` writes every byte)
+  h.text_size_ = n;
+  fill(h.text_.get());
+  h.parse_text(data_bytes, path);
+  return h;
+}
+
+inline void SafetensorsHeader::parse_text(std::uint64_t data_bytes, const std::string& path) {
+  const std::string_view text(text_.get(), text_size_);
   if (text.empty() || text[0] != '{') detail::safetensors_corrupt(path, "its header does not start with '{'");
   detail::json::Parser p(text, "the header of `" + path + "`");
-  SafetensorsHeader h;
-  h.tensors.reserve(text.size() / 64);  // (an entry takes some 60 bytes or more: reserved for most headers)
+  tensors.reserve(text.size() / 64);  // (an entry takes some 60 bytes or more: reserved for most headers)
+  dims_.reserve(text.size() / 64);
+  std::vector<std::uint32_t> ranks;  // each tensor's, for pointing its shape at dims_ once that is complete
+  ranks.reserve(text.size() / 64);
   constexpr std::string_view crc_key = "crc32c", name_crc_key = "crc32c/";
   std::string crcs_scratch;
   std::string_view crcs;  // (`crc32c`: a view of the text, which holds hex digits as they are)
   bool has_crcs = false;
   std::vector<std::pair<std::string, std::string>> named_crcs;  // (tensor name, 8 hex digits), from `crc32c/<name>`
   std::string scratch;
+  const std::less<const char*> before;
   p.object([&](std::string_view name) {
     if (name != "__metadata__") {
-      h.tensors.push_back(detail::safetensors_tensor(std::string(name), p, path));
+      // A name without escapes is a view of the text; one with escapes comes unescaped in the parser's scratch.
+      if (before(name.data(), text.data()) || !before(name.data(), text.data() + text.size()))
+        name = unescaped_.emplace_back(name);
+      const std::size_t rank_at = dims_.size();
+      tensors.push_back(detail::safetensors_tensor(name, p, dims_, path));
+      ranks.push_back(static_cast<std::uint32_t>(dims_.size() - rank_at));
       return;
     }
     if (p.next() != '{') detail::safetensors_corrupt(path, "__metadata__ is not an object");
@@ -422,62 +478,64 @@ inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::ui
       } else if (k.substr(0, name_crc_key.size()) == name_crc_key) {
         named_crcs.emplace_back(k.substr(name_crc_key.size()), p.text(scratch));
       } else {
-        h.metadata.emplace_back(k, p.string());
+        metadata.emplace_back(k, p.string());
       }
     });
   });
   p.finish();
+  for (std::size_t k = 0, at = 0; k < tensors.size(); at += ranks[k++])
+    tensors[k].shape = {dims_.data() + at, ranks[k]};
   // The tensors in the order of their data: the header's order where that is it (as the writers write them).
   const auto offset_order = [&](std::size_t a, std::size_t b) {
-    const SafetensorsTensor &x = h.tensors[a], &y = h.tensors[b];
+    const SafetensorsTensor &x = tensors[a], &y = tensors[b];
     return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
   };
   std::vector<std::size_t> by_offset;
-  for (std::size_t i = 1; i < h.tensors.size() && by_offset.empty(); ++i)
+  for (std::size_t i = 1; i < tensors.size() && by_offset.empty(); ++i)
     if (offset_order(i, i - 1)) {
-      by_offset.resize(h.tensors.size());
+      by_offset.resize(tensors.size());
       for (std::size_t k = 0; k < by_offset.size(); ++k) by_offset[k] = k;
       std::sort(by_offset.begin(), by_offset.end(), offset_order);
     }
   auto in_data_order = [&](std::size_t k) -> SafetensorsTensor& {
-    return h.tensors[by_offset.empty() ? k : by_offset[k]];
+    return tensors[by_offset.empty() ? k : by_offset[k]];
   };
   std::uint64_t at = 0;
-  for (std::size_t k = 0; k < h.tensors.size(); ++k) {
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
     const SafetensorsTensor& t = in_data_order(k);
     if (t.begin != at)
-      detail::safetensors_corrupt(path, "the data of `" + t.name + "` does not start where the previous tensor's ends");
+      detail::safetensors_corrupt(
+          path, detail::naming("the data of ", t.name, " does not start where the previous tensor's ends"));
     at = t.end;
   }
   if (at != data_bytes) detail::safetensors_corrupt(path, "its tensors do not cover its data section exactly");
-  if (h.tensors.size() >= (std::size_t{1} << 31)) detail::safetensors_corrupt(path, "it names over 2^31 tensors");
+  if (tensors.size() >= (std::size_t{1} << 31)) detail::safetensors_corrupt(path, "it names over 2^31 tensors");
   const std::size_t repeated =
-      h.by_name.build(h.tensors.size(), [&](std::size_t k) -> std::string_view { return h.tensors[k].name; });
-  if (repeated != h.tensors.size())
-    detail::safetensors_corrupt(path, "it names `" + h.tensors[repeated].name + "` twice");
+      by_name_.build(tensors.size(), [&](std::size_t k) -> std::string_view { return tensors[k].name; });
+  if (repeated != tensors.size())
+    detail::safetensors_corrupt(path, detail::naming("it names ", tensors[repeated].name, " twice"));
   auto set_crc = [&](SafetensorsTensor& tensor, std::string_view digits) {
     std::uint64_t value = 0;
     if (!detail::parse_hex(digits, 8, value))
-      detail::safetensors_corrupt(path, "the checksum of `" + tensor.name + "` is not 8 hex digits");
+      detail::safetensors_corrupt(path, detail::naming("the checksum of ", tensor.name, " is not 8 hex digits"));
     tensor.has_crc = true;
     tensor.crc = static_cast<std::uint32_t>(value);
   };
   if (has_crcs) {
-    if (crcs.size() != 8 * h.tensors.size())
+    if (crcs.size() != 8 * tensors.size())
       detail::safetensors_corrupt(path, "its crc32c metadata holds " + std::to_string(crcs.size()) +
                                             " characters, not 8 hex digits for each of its " +
-                                            std::to_string(h.tensors.size()) + " tensors");
-    for (std::size_t k = 0; k < h.tensors.size(); ++k) set_crc(in_data_order(k), crcs.substr(8 * k, 8));
+                                            std::to_string(tensors.size()) + " tensors");
+    for (std::size_t k = 0; k < tensors.size(); ++k) set_crc(in_data_order(k), crcs.substr(8 * k, 8));
   }
   for (auto& [name, v] : named_crcs) {
-    const std::size_t i = h.index(name);
+    const std::size_t i = index(name);
     if (i == detail::NameIndex::none) {  // a checksum of no tensor here: kept as the metadata it is
-      h.metadata.emplace_back(std::string(name_crc_key) + name, std::move(v));
+      metadata.emplace_back(std::string(name_crc_key) + name, std::move(v));
       continue;
     }
-    set_crc(h.tensors[i], v);
+    set_crc(tensors[i], v);
   }
-  return h;
 }
 
 /// A safetensors file opened for reading: its header parsed and validated, its data read by range.
@@ -557,11 +615,14 @@ class SafetensorsFile {
     read(0, &n, 8);
     if (n > detail::safetensors_max_header) corrupt("its header length " + std::to_string(n) + " is over 100 MiB");
     if (n > size_ - 8) corrupt("its header is longer than the file (truncated?)");
-    std::string text(static_cast<std::size_t>(n), '\0');
-    read(8, text.data(), text.size());
+    header_ = SafetensorsHeader::parse(
+        static_cast<std::size_t>(n),
+        [&](char* text) {
+          read(8, text, static_cast<std::size_t>(n));
+          header_crc_ = detail::crc32c(text, static_cast<std::size_t>(n));
+        },
+        size_ - 8 - n, path_);
     data_begin_ = 8 + n;
-    header_ = parse_safetensors_header(text, size_ - data_begin_, path_);
-    header_crc_ = detail::crc32c(text.data(), text.size());
   }
 
   std::string path_;

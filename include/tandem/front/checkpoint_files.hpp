@@ -68,13 +68,13 @@ TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
     if (file.header_crc() != f.header_crc) file.corrupt("its header's checksum does not match the manifest's");
     for (const SafetensorsFile::Tensor& t : file.tensors()) {  // the header's checksums cover the data
       std::uint32_t recorded = 0, crc = 0;
-      if (!file.recorded_crc(t.name, recorded)) file.corrupt("it records no checksum for `" + t.name + "`");
+      if (!file.recorded_crc(t.name, recorded)) file.corrupt(detail::naming("it records no checksum for ", t.name, ""));
       for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
         const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
         file.read(at, chunk.data(), n);
         crc = detail::crc32c(chunk.data(), n, crc);
       }
-      if (crc != recorded) file.corrupt("the checksum of `" + t.name + "` does not match its data");
+      if (crc != recorded) file.corrupt(detail::naming("the checksum of ", t.name, " does not match its data"));
     }
     summary.bytes += f.bytes;
   }
@@ -139,11 +139,12 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
   for (const SafetensorsFile::Tensor& t : file.tensors()) {
     if (t.dtype != m.param_dtype || t.dtype == DType::fp64)
       detail::fail(
-          "tandem: import_parameters: `" + in + "` holds " + safetensors_dtype(t.dtype) + " tensor `" + t.name + "`" +
+          "tandem: import_parameters: `" + in + "` holds " + safetensors_dtype(t.dtype) +
+          detail::naming(" tensor ", t.name, "") +
           (t.dtype == m.param_dtype ? "" : std::string(" beside ") + safetensors_dtype(m.param_dtype) + " ones") +
           "; a model's parameters share one dtype of F32, BF16 or F16");
-    m.tensors.push_back({t.name, static_cast<std::size_t>(t.count()), t.dtype});
-    entries.push_back({t.name, t.dtype, t.count()});
+    m.tensors.push_back({std::string(t.name), static_cast<std::size_t>(t.count()), t.dtype});
+    entries.push_back({std::string(t.name), t.dtype, t.count()});
   }
   std::filesystem::create_directories(dir);
   const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";

@@ -287,10 +287,10 @@ class ShardedCheckpoint {
 
   static unsigned char* no_direct(std::size_t, std::size_t) { return nullptr; }
 
-  [[noreturn]] static void mismatch(const SafetensorsFile& f, const std::string& name, std::uint32_t crc,
+  [[noreturn]] static void mismatch(const SafetensorsFile& f, std::string_view name, std::uint32_t crc,
                                     std::uint32_t expected) {
-    f.corrupt("the checksum of `" + name + "` does not match its data (" + hex8(crc) + ", recorded " + hex8(expected) +
-              ")");
+    f.corrupt(naming("the checksum of ", name, " does not match its data (") + hex8(crc) + ", recorded " +
+              hex8(expected) + ")");
   }
 
   /// The saved slices of tensor `tensor`'s array `a` that overlap elements [lo, hi), in order: each is opened and its
@@ -316,8 +316,9 @@ class ShardedCheckpoint {
       else if ((t = f.find(slice_name(a, spec, begin, end))) == nullptr)
         f.corrupt("it lacks `" + slice_name(a, spec, begin, end) + "`");
       next = static_cast<std::size_t>(t - entries.data()) + 1;
-      if (t->dtype != a.dtype || t->count() != end - begin) f.corrupt("`" + t->name + "` has the wrong dtype or size");
-      if (!t->has_crc) f.corrupt("it records no checksum for `" + t->name + "`");
+      if (t->dtype != a.dtype || t->count() != end - begin)
+        f.corrupt(naming("", t->name, " has the wrong dtype or size"));
+      if (!t->has_crc) f.corrupt(naming("it records no checksum for ", t->name, ""));
       if (chunk == nullptr) return;
       const std::uint64_t bytes = (end - begin) * size;
       unsigned char* into = direct(begin, end);
