@@ -4,11 +4,10 @@
 // Shape: the segment [0, n) is cut into a scalar head (elements before src and dst are both 16-byte
 // aligned), whole groups of G = 16 / min(sizeof(Src), sizeof(Dst)) elements moved as 16-byte vectors, and a
 // scalar tail. When src and dst are misaligned by different amounts no vector path exists and every element
-// goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... (four at a time: their
-// loads are in flight together) and the scalar elements whose index is congruent to `lane`; on CUDA a warp's threads
-// are the lanes, the host runs one lane.
-// The product scale * src[i] is rounded before it is added (kernels/detail/rounding.hpp), so an accumulating copy
-// gives the same bits on the host and on the device.
+// goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... (four at a time, the rest
+// two at a time: their loads are in flight together) and the scalar elements whose index is congruent to `lane`; on
+// CUDA a warp's threads are the lanes, the host runs one lane. The product scale * src[i] is rounded before it is added
+// (kernels/detail/rounding.hpp), so an accumulating copy gives the same bits on the host and on the device.
 #pragma once
 
 #include <cstddef>
@@ -204,7 +203,15 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
       store_vec<Dst, G>(dst + head + (g + 2 * lanes) * G, d2);
       store_vec<Dst, G>(dst + head + (g + 3 * lanes) * G, d3);
     }
-    for (; g < groups; g += lanes) store_vec<Dst, G>(dst + head + g * G, group(g));
+    // The rest two groups at a time, both loads before either store: a 1 KB fp32 tensor is 64 groups, two per lane,
+    // which one at a time would wait for memory twice in a row (a store may alias the next load, so the compiler
+    // cannot hoist it).
+    for (; g + lanes < groups; g += 2 * lanes) {
+      const Vec<Dst, G> d0 = group(g), d1 = group(g + lanes);
+      store_vec<Dst, G>(dst + head + g * G, d0);
+      store_vec<Dst, G>(dst + head + (g + lanes) * G, d1);
+    }
+    if (g < groups) store_vec<Dst, G>(dst + head + g * G, group(g));
   }
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
 }
