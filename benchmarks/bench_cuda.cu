@@ -6,7 +6,8 @@
 // copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issues #3, #16): pack/unpack x_copy >= 0.9
 // on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows without a target measure the
 // alternatives in the same run: programmatic launches (/programmatic, CudaBackendOptions::programmatic_launch), one
-// launch over every bucket (/one_launch) and 4096-element items (/chunk4096). Data is never zeros. Without a GPU it
+// launch over every bucket (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items
+// end alone, so larger items leave the device idle longer at each launch's end). Data is never zeros. Without a GPU it
 // prints a line and exits 0.
 #include <benchmark/benchmark.h>
 
@@ -325,10 +326,11 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  // What programmatic launches, one launch over every bucket, and larger items give (no target: they say where to go
-  // next).
-  for (const PackVariant v : {PackVariant{.programmatic = true}, PackVariant{.one_launch = true},
-                              PackVariant{.one_launch = true, .chunk = 4096}, PackVariant{.chunk = 4096}})
+  // What programmatic launches, one launch over every bucket, and larger or smaller items give (no target: they say
+  // where to go next).
+  for (const PackVariant v :
+       {PackVariant{.programmatic = true}, PackVariant{.one_launch = true},
+        PackVariant{.one_launch = true, .chunk = 4096}, PackVariant{.chunk = 4096}, PackVariant{.chunk = 512}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way

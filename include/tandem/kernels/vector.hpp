@@ -159,25 +159,39 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   const std::size_t groups = (n - head) / G;
   const std::size_t tail = head + groups * G;
   for (std::size_t i = lane; i < head; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
-  // groups: elements [head + g*G, head + (g+1)*G), one 16-byte (or 2x16-byte) load and store each
-  auto group = [&](std::size_t g) {
+  // groups: elements [head + g*G, head + (g+1)*G), one 16-byte (or 2x16-byte) load and store each. On the device a
+  // group's loads (its source, and its destination where it accumulates) are apart from its arithmetic, so that
+  // several groups' loads are in flight while the results of only one are held: a 16-bit source's results take twice
+  // its registers (ptxas, sm_90: the bf16 -> fp32 pack in 40 registers, not 54).
+  struct Loaded {
+    Vec<Src, G> s;
+    Vec<Dst, G> d;  ///< (accumulate)
+  };
+  auto load = [&](std::size_t g) {
     const std::size_t at = head + g * G;
-    const Vec<Src, G> s = load_vec<Src, G>(src + at);
+    Loaded l;
+    l.s = load_vec<Src, G>(src + at);
+    if constexpr (Mode == WriteMode::accumulate) l.d = load_vec<Dst, G>(dst + at);
+    return l;
+  };
+  auto cast = [&](const Loaded& l) {
     Vec<Dst, G> d;
-    if constexpr (Mode == WriteMode::accumulate) d = load_vec<Dst, G>(dst + at);
+    if constexpr (Mode == WriteMode::accumulate) d = l.d;
     TANDEM_UNROLL
     for (std::size_t k = 0; k < G; ++k) {
-      const float x = mul_rn(scale, static_cast<float>(s.v[k]));
+      const float x = mul_rn(scale, static_cast<float>(l.s.v[k]));
       if constexpr (Mode == WriteMode::accumulate) {
         d.v[k] = Dst(static_cast<float>(d.v[k]) + x);
       } else if constexpr (std::is_same_v<Src, Dst>) {
-        d.v[k] = scale == 1.0f ? s.v[k] : Dst(x);
+        d.v[k] = scale == 1.0f ? l.s.v[k] : Dst(x);
       } else {
         d.v[k] = Dst(x);
       }
     }
     return d;
   };
+  auto group = [&](std::size_t g) { return cast(load(g)); };
+  auto put = [&](std::size_t g, const Loaded& l) { store_vec<Dst, G>(dst + head + g * G, cast(l)); };
   const bool streaming = hint == StoreHint::streaming && Mode == WriteMode::assign;
   if (lanes == 1 && streaming) {  // four groups of loads in flight, then the streaming stores
     std::size_t g = 0;
@@ -197,19 +211,19 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   } else {  // the device: four groups' loads in flight per lane, then their stores
     std::size_t g = lane;
     for (; g + 3 * lanes < groups; g += 4 * lanes) {
-      const Vec<Dst, G> d0 = group(g), d1 = group(g + lanes), d2 = group(g + 2 * lanes), d3 = group(g + 3 * lanes);
-      store_vec<Dst, G>(dst + head + g * G, d0);
-      store_vec<Dst, G>(dst + head + (g + lanes) * G, d1);
-      store_vec<Dst, G>(dst + head + (g + 2 * lanes) * G, d2);
-      store_vec<Dst, G>(dst + head + (g + 3 * lanes) * G, d3);
+      const Loaded l0 = load(g), l1 = load(g + lanes), l2 = load(g + 2 * lanes), l3 = load(g + 3 * lanes);
+      put(g, l0);
+      put(g + lanes, l1);
+      put(g + 2 * lanes, l2);
+      put(g + 3 * lanes, l3);
     }
     // The rest two groups at a time, both loads before either store: a 1 KB fp32 tensor is 64 groups, two per lane,
     // which one at a time would wait for memory twice in a row (a store may alias the next load, so the compiler
     // cannot hoist it).
     for (; g + lanes < groups; g += 2 * lanes) {
-      const Vec<Dst, G> d0 = group(g), d1 = group(g + lanes);
-      store_vec<Dst, G>(dst + head + g * G, d0);
-      store_vec<Dst, G>(dst + head + (g + lanes) * G, d1);
+      const Loaded l0 = load(g), l1 = load(g + lanes);
+      put(g, l0);
+      put(g + lanes, l1);
     }
     if (g < groups) store_vec<Dst, G>(dst + head + g * G, group(g));
   }
