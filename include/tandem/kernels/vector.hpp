@@ -169,7 +169,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   };
   auto load = [&](std::size_t g) {
     const std::size_t at = head + g * G;
-    Loaded l;
+    Loaded l{};  // (d stays zero where nothing loads it: never read then)
     l.s = load_vec<Src, G>(src + at);
     if constexpr (Mode == WriteMode::accumulate) l.d = load_vec<Dst, G>(dst + at);
     return l;
