@@ -175,6 +175,15 @@ class PlainFiles {
   std::vector<tandem::HostBuffer<char>> buffers_;
 };
 
+// The layout's tensors, named t0, t1, ...
+std::vector<tandem::TensorSpec> specs_of(const std::vector<std::size_t>& sizes) {
+  std::vector<tandem::TensorSpec> specs;
+  // (appended: GCC 12 warns falsely of overlapping copies in `"t" + std::to_string(i)`)
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    specs.push_back({std::string("t").append(std::to_string(i)), sizes[i]});
+  return specs;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
@@ -196,11 +205,7 @@ void BM_checkpoint(benchmark::State& state, const char* layout, bool save) {
   std::optional<PlainFiles> plain_files;
   std::size_t peak_bytes = 0;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
-    std::vector<tandem::TensorSpec> specs;
-    // (appended: GCC 12 warns falsely of overlapping copies in `"t" + std::to_string(i)`)
-    for (std::size_t i = 0; i < sizes.size(); ++i)
-      specs.push_back({std::string("t").append(std::to_string(i)), sizes[i]});
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs);
+    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs_of(sizes));
     dp.broadcast_parameters();
     dp.save_checkpoint(dir);  // warm up (and the files a load reads)
     if (comm.rank() == 0) {
@@ -264,10 +269,7 @@ void BM_open_shard(benchmark::State& state, const char* layout) {
   const std::string dir = bench_dir(std::string(layout) + "_open");
   std::filesystem::remove_all(dir);
   tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
-    std::vector<tandem::TensorSpec> specs;
-    for (std::size_t i = 0; i < sizes.size(); ++i)
-      specs.push_back({std::string("t").append(std::to_string(i)), sizes[i]});
-    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs);
+    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs_of(sizes));
     dp.save_checkpoint(dir);
   });
   const std::string path = files_of(dir).at(0).first;
