@@ -1,19 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
-// GPU benchmarks: pack and unpack of whole layouts (one launch per bucket, tables resident in device memory), the
-// AdamW shard update, and a whole step() of the GPT-2-124M layout at one rank, eager and replayed from a CUDA graph;
-// each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the time of a device-to-device
-// cudaMemcpyAsync moving the same traffic, measured in the same run, over the measured time (1.0 = as fast as a
-// copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issues #3, #16): pack/unpack x_copy >= 0.9
-// on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows without a target measure the
-// alternatives in the same run: programmatic launches (/programmatic, CudaBackendOptions::programmatic_launch), one
-// launch over every bucket (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items
-// end alone, so larger items leave the device idle longer at each launch's end). Data is never zeros. Without a GPU it
-// prints a line and exits 0.
+// GPU benchmarks: pack and unpack of whole layouts (a launch per run of buckets as DataParallel makes them, tables
+// resident in device memory), the AdamW shard update, and a whole step() of the GPT-2-124M layout at one rank, eager
+// and replayed from a CUDA graph; each timed with CUDA events (manual time) and reported as bytes/s and as x_copy: the
+// time of a device-to-device cudaMemcpyAsync moving the same traffic, measured in the same run, over the measured time
+// (1.0 = as fast as a copy). Layouts: the GPT-2-124M tensor list and 10,000 x 1 KB. Targets (issues #3, #16):
+// pack/unpack x_copy >= 0.9 on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows
+// without a target measure the alternatives in the same run: plain launches (/plain_launch,
+// CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
+// (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items end alone, so larger items
+// leave the device idle longer at each launch's end). Data is never zeros. Without a GPU it prints a line and exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,56 +74,48 @@ const tandem::CudaBackend& backend() {
   return cuda;
 }
 
-/// A backend whose launches are programmatic (CudaBackendOptions::programmatic_launch): what that saves, in the same
-/// run.
-const tandem::CudaBackend& programmatic_backend() {
-  static const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.programmatic_launch = true});
+/// A backend whose launches are plain (CudaBackendOptions::programmatic_launch off): what programmatic launches
+/// save, in the same run.
+const tandem::CudaBackend& plain_backend() {
+  static const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.programmatic_launch = false});
   return cuda;
 }
 
-/// How a pack benchmark launches: one launch per bucket (what a step does today), or one launch over every bucket
-/// of the layout (issue #16: "where buckets allow, one launch over several buckets"), with `chunk` elements per item.
+/// How a pack benchmark launches: a launch per run of buckets (kernels/pack.hpp, RunGrouping), with `chunk` elements
+/// per item. The target rows launch as a step of DataParallel does where it issues every bucket at once (step() with no
+/// grad_ready), at more than one rank: the packs in runs from bucket 0, the unpacks in runs from the last bucket
+/// (ParametersReady::by_bucket; at_step, the default, and the packs at one rank are /one_launch).
 struct PackVariant {
-  bool one_launch = false;
+  std::optional<tandem::RunGrouping> grouping;  ///< none: the step's, for the direction
   std::size_t chunk = tandem::pack_chunk_elements;
-  bool programmatic = false;  ///< launched by programmatic_backend(), or by backend() (plain launches)
+  bool plain = false;  ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
+  tandem::RunGrouping runs(PackDirection direction) const {
+    return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
+                                                                   : tandem::RunGrouping::from_last);
+  }
   std::string suffix() const {
-    return std::string(one_launch ? "/one_launch" : "") +
+    return std::string(grouping == tandem::RunGrouping::one          ? "/one_launch"
+                       : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
+                                                                     : "") +
            (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
-           (programmatic ? "/programmatic" : "");
+           (plain ? "/plain_launch" : "");
   }
 };
 
-/// Every bucket's table as one: tensor offsets counted from the start of the flat storage, items renumbered.
-tandem::PackTable whole_layout_table(const tandem::Plan& plan, const std::vector<void*>& pointers, std::size_t chunk) {
-  tandem::PackTable all;
-  for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
-    const tandem::PackTable t = tandem::make_pack_table(plan, b, pointers, chunk);
-    const auto base = static_cast<std::uint32_t>(all.tensors.size());
-    for (tandem::PackTensor tensor : t.tensors) {
-      tensor.offset += plan.bucket(b).offset;
-      all.tensors.push_back(tensor);
-    }
-    for (tandem::PackItem it : t.reading_bucket) all.reading_bucket.push_back({it.tensor + base, it.count, it.begin});
-    for (tandem::PackItem it : t.reading_user) all.reading_user.push_back({it.tensor + base, it.count, it.begin});
-  }
-  return all;
-}
-
 /// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
-/// buckets and the resident tables, built once per (layout, variant, types).
+/// buckets and the resident tables of its runs, built once per (layout, variant, direction, types).
 template <class UserT, class BucketT>
 struct PackSetup {
   std::vector<std::size_t> sizes;
   tandem::Plan plan;
-  PackVariant variant;
+  tandem::BucketRuns runs;
   DeviceBytes user, flat;
   tandem::ResidentPackTables<tandem::CudaBackend> tables;
 
-  PackSetup(const std::string& layout, PackVariant v)
+  PackSetup(const std::string& layout, PackVariant v, PackDirection direction)
       : sizes(bench::layout(layout)),
         plan(sizes, options()),
-        variant(v),
+        runs(plan.num_buckets(), v.runs(direction)),
         user((bench::total(sizes) + 16 * sizes.size()) * sizeof(UserT)),
         flat(plan.total_size() * sizeof(BucketT)) {
     std::vector<void*> pointers;
@@ -132,11 +125,7 @@ struct PackSetup {
       at += (n + 15) / 16 * 16;
     }
     std::vector<tandem::PackTable> host;
-    if (v.one_launch)
-      host.push_back(whole_layout_table(plan, pointers, v.chunk));
-    else
-      for (std::size_t b = 0; b < plan.num_buckets(); ++b)
-        host.push_back(tandem::make_pack_table(plan, b, pointers, v.chunk));
+    for (const tandem::Range& run : runs.runs) host.push_back(tandem::make_pack_table(plan, run, pointers, v.chunk));
     tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
     TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, at * sizeof(UserT)));  // 0.186 in fp32 and bf16: not zeros
     TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, plan.total_size() * sizeof(BucketT)));
@@ -148,31 +137,30 @@ struct PackSetup {
     o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
     return o;
   }
-  /// Launches: one per table, each over its bucket (or over the whole layout).
+  /// Launches: one per table, each over its run.
   std::size_t launches() const { return tables.size(); }
-  /// Where table k's tensor offsets count from.
-  BucketT* base(std::size_t k) const {
-    return static_cast<BucketT*>(flat.p) + (variant.one_launch ? 0 : plan.bucket(k).offset);
-  }
-  static PackSetup& get(const std::string& layout, PackVariant v) {
+  /// Where table k's tensor offsets count from: its run's first bucket.
+  BucketT* base(std::size_t k) const { return static_cast<BucketT*>(flat.p) + plan.bucket(runs.runs[k].begin).offset; }
+  static PackSetup& get(const std::string& layout, PackVariant v, PackDirection direction) {
     // The backend is built before the cache, so that at exit it is destroyed after it: the tables free themselves
     // on the backend's stream (the other order crashed the first GPU run at exit).
     backend();
-    programmatic_backend();
+    plain_backend();
     static std::map<std::string, std::unique_ptr<PackSetup>> cache;
-    auto& p = cache[layout + v.suffix()];
-    if (!p) p = std::make_unique<PackSetup>(layout, v);
+    auto& p = cache[layout + v.suffix() + (direction == PackDirection::to_bucket ? "/pack" : "/unpack")];
+    if (!p) p = std::make_unique<PackSetup>(layout, v, direction);
     return *p;
   }
 };
 
 template <class UserT, class BucketT, PackDirection Direction>
 void BM_pack(benchmark::State& state, const std::string& layout, PackVariant variant) {
-  auto& s = PackSetup<UserT, BucketT>::get(layout, variant);
-  const tandem::CudaBackend& cuda = variant.programmatic ? programmatic_backend() : backend();
+  auto& s = PackSetup<UserT, BucketT>::get(layout, variant, Direction);
+  const tandem::CudaBackend& cuda = variant.plain ? plain_backend() : backend();
   const cudaStream_t stream = tandem::detail::native(cuda.stream());
   auto one_pass = [&] {
-    for (std::size_t k = 0; k < s.launches(); ++k) {
+    for (std::size_t j = 0; j < s.launches(); ++j) {  // in the step's order: unpacks from the last run
+      const std::size_t k = Direction == PackDirection::to_bucket ? j : s.launches() - 1 - j;
       const tandem::PackTableView& t = s.tables[k];
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
       cuda.launch(t.items, tandem::PackBody<UserT, BucketT, Direction>{items, t.tensors, s.base(k), 1.0f},
@@ -245,7 +233,7 @@ void BM_adamw(benchmark::State& state) {
 /// replayed from a CUDA graph it was captured into after a first eager step (docs/cuda.md, "Capturing a step"). Its
 /// floor is its memory traffic: the pack reads the gradients and writes the bucket, AdamW reads gradient, weight, m
 /// and v and writes weight, m and v, the unpack reads the bucket and writes the parameters (44 bytes per element).
-void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool programmatic) {
+void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool plain) {
   const std::vector<std::size_t> sizes = bench::layout(layout);
   std::size_t at = 0;
   std::vector<std::size_t> offsets;
@@ -270,7 +258,7 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
     try {
       tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
           comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}},
-          tandem::CudaBackend(tandem::CudaBackendOptions{.programmatic_launch = programmatic}));
+          tandem::CudaBackend(tandem::CudaBackendOptions{.programmatic_launch = !plain}));
       dp.broadcast_parameters();
       dp.step();  // the warm-up step: whatever a first step sets up is set up
       if (graph) {
@@ -310,27 +298,28 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
 #endif
 
 void register_all() {
-  const PackVariant per_bucket{};
+  const PackVariant as_step{};
   for (const char* name : {"gpt2", "10000x1KB"}) {
     const std::string l = name;
     benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l).c_str(), BM_pack<float, float, PackDirection::to_bucket>,
-                                 l, per_bucket)
+                                 l, as_step)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l).c_str(),
-                                 BM_pack<float, float, PackDirection::from_bucket>, l, per_bucket)
+                                 BM_pack<float, float, PackDirection::from_bucket>, l, as_step)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark(("cuda_pack/bf16->fp32/" + l).c_str(),
-                                 BM_pack<tandem::BFloat16, float, PackDirection::to_bucket>, l, per_bucket)
+                                 BM_pack<tandem::BFloat16, float, PackDirection::to_bucket>, l, as_step)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  // What programmatic launches, one launch over every bucket, and larger or smaller items give (no target: they say
-  // where to go next).
-  for (const PackVariant v :
-       {PackVariant{.programmatic = true}, PackVariant{.one_launch = true},
-        PackVariant{.one_launch = true, .chunk = 4096}, PackVariant{.chunk = 4096}, PackVariant{.chunk = 512}})
+  // What plain launches, a launch per bucket, one launch over every bucket, and larger or smaller items give (no
+  // target: they say where to go next).
+  for (const PackVariant v : {PackVariant{.plain = true}, PackVariant{.grouping = tandem::RunGrouping::per_bucket},
+                              PackVariant{.grouping = tandem::RunGrouping::one},
+                              PackVariant{.grouping = tandem::RunGrouping::one, .chunk = 4096},
+                              PackVariant{.chunk = 4096}, PackVariant{.chunk = 512}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
@@ -354,12 +343,12 @@ void register_all() {
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
 #if TANDEM_BENCH_STEP
-  for (const bool programmatic : {false, true})
+  for (const bool plain : {false, true})
     for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
       benchmark::RegisterBenchmark(
-          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (programmatic ? "/programmatic" : ""))
+          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (plain ? "/plain_launch" : ""))
               .c_str(),
-          BM_step, std::string("gpt2"), graph, programmatic)
+          BM_step, std::string("gpt2"), graph, plain)
           ->Iterations(20)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);

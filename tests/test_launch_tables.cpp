@@ -178,3 +178,117 @@ TEST_CASE("emulated CUDA launches: odd sizes at misaligned user pointers, every 
     check_layout<BFloat16, BFloat16>(sizes, misalign, world);
   }
 }
+
+TEST_CASE("bucket runs: the first run issued is one bucket, each later one run_growth times the one before") {
+  using tandem::RunGrouping;
+  for (std::size_t n = 1; n <= 90; ++n) {
+    CAPTURE(n);
+    for (const RunGrouping g :
+         {RunGrouping::per_bucket, RunGrouping::one, RunGrouping::from_first, RunGrouping::from_last}) {
+      CAPTURE(static_cast<int>(g));
+      const tandem::BucketRuns runs(n, g);
+      // the runs cover [0, n) in order, and run_of names the run of each bucket
+      std::size_t at = 0;
+      for (std::size_t k = 0; k < runs.runs.size(); ++k) {
+        REQUIRE(runs.runs[k].begin == at);
+        REQUIRE(runs.runs[k].end > at);
+        for (std::size_t b = runs.runs[k].begin; b < runs.runs[k].end; ++b) REQUIRE(runs.run_of[b] == k);
+        at = runs.runs[k].end;
+      }
+      REQUIRE(at == n);
+      REQUIRE(runs.run_of.size() == n);
+      // the sizes in the order a step issues the buckets: 1, 4, 16, ... (the last one what is left)
+      std::vector<std::size_t> issued;
+      for (const tandem::Range& r : runs.runs) issued.push_back(r.size());
+      if (g == RunGrouping::from_last) std::reverse(issued.begin(), issued.end());
+      std::vector<std::size_t> want;
+      if (g == RunGrouping::per_bucket) want.assign(n, 1);
+      if (g == RunGrouping::one) want = {n};
+      if (g == RunGrouping::from_first || g == RunGrouping::from_last)
+        for (std::size_t left = n, size = 1; left > 0; size *= tandem::run_growth) {
+          want.push_back(std::min(size, left));
+          left -= want.back();
+        }
+      REQUIRE(issued == want);
+    }
+  }
+  CHECK(tandem::BucketRuns(18, RunGrouping::from_first).runs.size() == 3);  // GPT-2-124M's 18 buckets: 1 + 4 + 13
+}
+
+TEST_CASE("a run's table packs and unpacks its buckets in one launch, and any one of them alone (a slice)") {
+  // Random layouts of many buckets; each run's table, launched whole and bucket by bucket, against a plain loop over
+  // the plan. Outputs are poisoned: a launch writes exactly its buckets' tensors.
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 6; ++trial) {
+    CAPTURE(trial);
+    std::vector<std::size_t> sizes;
+    const int n = std::uniform_int_distribution<int>(1, 120)(rng);
+    for (int i = 0; i < n; ++i) sizes.push_back(std::uniform_int_distribution<std::size_t>(0, 5000)(rng));
+    tandem::PlanOptions o;
+    o.world_size = std::uniform_int_distribution<int>(1, 4)(rng);
+    o.bucket_element_bytes = 4;
+    o.bucket_cap_bytes = 16384;
+    o.first_bucket_cap_bytes = 4096;
+    o.alignment_elements = 4;
+    o.shard_alignment_elements = 32;
+    const tandem::Plan plan(sizes, o);
+    std::vector<std::vector<float>> user(sizes.size());
+    std::vector<void*> pointers;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      for (std::size_t e = 0; e < sizes[i]; ++e)
+        user[i].push_back(std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng));
+      pointers.push_back(user[i].data());
+    }
+    const tandem::HostBackend backend;
+    const float poison = std::nanf("");
+    for (const tandem::RunGrouping g : {tandem::RunGrouping::from_first, tandem::RunGrouping::from_last}) {
+      const tandem::BucketRuns runs(plan.num_buckets(), g);
+      std::vector<tandem::PackTable> tables;
+      for (const tandem::Range& run : runs.runs) {
+        tables.push_back(tandem::make_pack_table(plan, run, pointers));
+        check_items(tables.back());
+      }
+      const tandem::ResidentPackTables<tandem::HostBackend> resident(backend, tables, {});
+      for (std::size_t k = 0; k < runs.runs.size(); ++k) {
+        const tandem::Range run = runs.runs[k];
+        const std::size_t origin = plan.bucket(run.begin).offset;
+        const std::size_t span = plan.bucket(run.end - 1).offset + plan.bucket(run.end - 1).size - origin;
+        // the buckets of [first, last) packed into a poisoned copy of the run's flat range, checked against the plan
+        auto check_pack = [&](const tandem::PackTableView& t, std::size_t first, std::size_t last) {
+          std::vector<float> flat(span, poison);
+          emulate_cuda_launch(t.items, tandem::PackBody<float, float, PackDirection::to_bucket>{
+                                           t.reading_user, t.tensors, flat.data(), 1.0f});
+          std::vector<char> mine(span, 0);
+          for (std::size_t b = first; b < last; ++b)
+            for (std::size_t i : plan.bucket(b).tensors) {
+              const std::size_t off = plan.bucket(b).offset - origin + plan.placement(i).offset;
+              for (std::size_t e = 0; e < sizes[i]; ++e) {
+                if (!same_bits(flat[off + e], user[i][e])) FAIL("pack: bucket " << b << " tensor " << i);
+                mine[off + e] = 1;
+              }
+            }
+          for (std::size_t e = 0; e < span; ++e)
+            if (!mine[e] && !same_bits(flat[e], poison))
+              FAIL("pack wrote outside buckets [" << first << ", " << last << ")");
+          // and back: unpack into poisoned user tensors
+          std::vector<std::vector<float>> back(sizes.size());
+          std::vector<void*> back_pointers;
+          for (std::size_t i = 0; i < sizes.size(); ++i) back[i].assign(sizes[i], poison);
+          std::vector<tandem::PackTensor> tensors(t.tensors, t.tensors + tables[k].tensors.size());
+          for (tandem::PackTensor& pt : tensors)  // the same table, pointing at `back`
+            for (std::size_t i = 0; i < sizes.size(); ++i)
+              if (pt.user == user[i].data()) pt.user = back[i].data();
+          emulate_cuda_launch(t.items, tandem::PackBody<float, float, PackDirection::from_bucket>{
+                                           t.reading_bucket, tensors.data(), flat.data(), 1.0f});
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            const bool in = plan.placement(i).bucket >= first && plan.placement(i).bucket < last;
+            for (std::size_t e = 0; e < sizes[i]; ++e)
+              if (!same_bits(back[i][e], in ? user[i][e] : poison)) FAIL("unpack: tensor " << i << " element " << e);
+          }
+        };
+        check_pack(resident[k], run.begin, run.end);
+        for (std::size_t b = run.begin; b < run.end; ++b) check_pack(resident.slice(k, b - run.begin), b, b + 1);
+      }
+    }
+  }
+}

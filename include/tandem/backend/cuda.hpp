@@ -11,12 +11,12 @@
 //             the mapping host tests emulate): the warp's threads are the body's lanes. max_blocks() is the device's
 //             resident blocks (SMs x resident_threads_per_sm / block_threads), so a launch is one wave and a larger one
 //             strides. The __global__ wrappers below only forward: every computation is in the host+device bodies.
-//             With CudaBackendOptions::programmatic_launch (off by default: not yet measured on a GPU) a launch on a
-//             device of compute capability 9.0 or newer is programmatic (the launch attribute
+//             With CudaBackendOptions::programmatic_launch (on by default) a launch on a device of compute
+//             capability 9.0 or newer is programmatic (the launch attribute
 //             cudaLaunchAttributeProgrammaticStreamSerialization): its blocks may be scheduled while the previous
 //             kernel on the stream drains, and each waits (griddepcontrol.wait) until that kernel has completed and
-//             its writes are visible before it touches memory, so the order is a plain launch's. It is meant to hide
-//             the ~2.6 us each launch costs beyond its bytes on an H200 (docs/cuda.md).
+//             its writes are visible before it touches memory, so the order is a plain launch's. It hides about 1 us
+//             of the 2.4-3.4 us each launch costs beyond its bytes on an H200 (docs/cuda.md).
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
 //             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
@@ -195,9 +195,9 @@ struct CudaBackendOptions {
   /// LocalGroupOptions::timeout; milliseconds::max(): no bound).
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   /// Whether launch() uses programmatic dependent launch where the device has it (compute capability 9.0 or newer):
-  /// the launch overlaps the previous kernel's end; the order of memory accesses is a plain launch's. Off until a GPU
-  /// run has measured it (bench_cuda's /programmatic rows) and run its test.
-  bool programmatic_launch = false;
+  /// the launch overlaps the previous kernel's end; the order of memory accesses is a plain launch's. On an H200 it
+  /// made every pack, unpack and step() row of bench_cuda faster than plain launches (its /plain_launch rows).
+  bool programmatic_launch = true;
 };
 
 namespace detail {

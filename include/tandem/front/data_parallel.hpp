@@ -205,10 +205,10 @@ class DataParallel {
     StreamScope scope(*this, Exit::leave);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Bucket& bucket = plan_.bucket(b);
-      if (rank_ == root) (this->*steps_->params_in)(scope, b, work_stream());
+      if (rank_ == root) (this->*steps_->params_in)(scope, {b, b + 1}, work_stream());
       void* flat = param_bucket(b);
       comm_.broadcast(flat, flat, bucket.size, pdtype_, root, work_stream());  // the scope joined the comm stream
-      if (rank_ != root) (this->*steps_->params_out)(scope, b, work_stream());
+      if (rank_ != root) (this->*steps_->params_out)(scope, {b, b + 1}, work_stream());
     }
     init_masters(scope);
     synced_ = true;
@@ -285,15 +285,19 @@ class DataParallel {
     // Bucket b's gather and unpack on the comm stream, beside the next bucket's update on the work stream; the last
     // bucket (the first layers, which the next forward reads first) first.
     Ops ops{*this};
+    // A run of buckets (param_runs_) is unpacked in one launch, after the update of its first bucket.
     for (std::size_t b = plan_.num_buckets(); b-- > 0;) {
       update(scope, b);
       P::after_update(ops, b);
+      const Range& run = param_runs_.of(b);
+      if (b != run.begin) continue;
       const Stream s = after_work();
-      (this->*steps_->params_out)(scope, b, s);
-      if (options_.parameters_ready == ParametersReady::by_bucket) {
-        backend_.record(params_ready_[b], s);
-        params_pending_[b] = 1;
-      }
+      (this->*steps_->params_out)(scope, run, s);
+      if (options_.parameters_ready == ParametersReady::by_bucket)
+        for (std::size_t k = run.begin; k < run.end; ++k) {
+          backend_.record(params_ready_[k], s);
+          params_pending_[k] = 1;
+        }
     }
     gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
@@ -511,7 +515,7 @@ class DataParallel {
     gathered_.forget();
     synced_ = true;
     restore_failed_.clear();
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) (this->*steps_->params_out)(scope, b, work_stream());
+    for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
     scope.leave();
   }
 
@@ -1193,9 +1197,10 @@ class DataParallel {
   /// The steps of one storage mode, chosen by the constructor taken (the user's buffers, or tandem's storage) and
   /// instantiated for that mode only.
   struct StorageSteps {
-    /// The user's parameters into bucket b, and back (copy mode; nothing where the user's tensors are the views).
-    void (DataParallel::*params_in)(const StreamScope&, std::size_t b, Stream s);
-    void (DataParallel::*params_out)(const StreamScope&, std::size_t b, Stream s);
+    /// The user's parameters into `buckets` (a run of param_runs_, or one of its buckets), and back (copy mode;
+    /// nothing where the user's tensors are the views).
+    void (DataParallel::*params_in)(const StreamScope&, Range buckets, Stream s);
+    void (DataParallel::*params_out)(const StreamScope&, Range buckets, Stream s);
     /// ReduceAtBoundary: this micro-step's gradients of b added into grad_flat.
     void (DataParallel::*accumulate)(std::size_t b);
     /// ReduceEveryMicroStep: this micro-step's gradients of b in an fp32 bucket, and their release once reduced.
@@ -1223,28 +1228,40 @@ class DataParallel {
   }
 
   template <Storage S>
-  void params_in_as(const StreamScope&, std::size_t b, Stream s) {
+  void params_in_as(const StreamScope&, Range buckets, Stream s) {
     if constexpr (S == Storage::user)
-      kernels_.pack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
+      kernels_.pack_params(backend_, launch_view(param_tables_, param_runs_, buckets),
+                           param_bucket(param_runs_.of(buckets.begin).begin), hint(buckets, psize_), s);
   }
   template <Storage S>
-  void params_out_as(const StreamScope&, std::size_t b, Stream s) {
+  void params_out_as(const StreamScope&, Range buckets, Stream s) {
     if constexpr (S == Storage::user)
-      kernels_.unpack_params(backend_, param_tables_[b], param_bucket(b), hint(b, psize_), s);
+      kernels_.unpack_params(backend_, launch_view(param_tables_, param_runs_, buckets),
+                             param_bucket(param_runs_.of(buckets.begin).begin), hint(buckets, psize_), s);
   }
+  /// Packs bucket b's gradients into grad_flat (owned storage: backward added into grad_flat itself). Buckets come in
+  /// bucket order from 0 in each micro-step: at the first bucket of a run, the whole run where issue_ready_buckets
+  /// issues all of it now (one launch), else that bucket alone; a later bucket of the run was packed with it, or is
+  /// packed alone.
   template <Storage S>
-  void accumulate_as(std::size_t b) {  // owned storage: backward added into grad_flat itself
-    if constexpr (S == Storage::user)
-      kernels_.pack_grads(backend_, grad_tables_[b], state_.grad_flat() + plan_.bucket(b).offset,
-                          micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(), hint(b, sizeof(float)),
-                          work_stream());
+  void accumulate_as(std::size_t b) {
+    if constexpr (S == Storage::user) {
+      const Range& run = grad_runs_.of(b);
+      if (b != run.begin && b < packed_end_) return;
+      const Range buckets = b == run.begin && run.end <= issuing_end_ ? run : Range{b, b + 1};
+      packed_end_ = buckets.end;
+      kernels_.pack_grads(backend_, launch_view(grad_tables_, grad_runs_, buckets),
+                          state_.grad_flat() + plan_.bucket(run.begin).offset,
+                          micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(),
+                          hint(buckets, sizeof(float)), work_stream());
+    }
   }
   template <Storage S>
   float* micro_step_gradients_as(std::size_t b, Stream s) {
     if constexpr (S == Storage::user) {
-      float* staging = state_.staging();
-      kernels_.pack_grads(backend_, grad_tables_[b], staging, WriteMode::assign, pack_scale(), hint(b, sizeof(float)),
-                          s);
+      float* staging = state_.staging();  // one bucket at a time: grad_runs_ is a run per bucket
+      kernels_.pack_grads(backend_, launch_view(grad_tables_, grad_runs_, {b, b + 1}), staging, WriteMode::assign,
+                          pack_scale(), hint({b, b + 1}, sizeof(float)), s);
       for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
         backend_.zero(staging + gap.begin, gap.size() * sizeof(float), s);
       return staging;
@@ -1271,7 +1288,7 @@ class DataParallel {
   TANDEM_COLD void construct_as(const StreamScope& scope) {
     if constexpr (S == Storage::user) {  // the user's buffers hold the parameters already
       build_pack_tables();
-      for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_in_as<S>(scope, b, work_stream());
+      for (const Range& run : param_runs_.runs) params_in_as<S>(scope, run, work_stream());
       init_masters(scope);
       synced_ = true;
     }
@@ -1337,7 +1354,9 @@ class DataParallel {
   /// A bucket whose reduction fails to issue leaves the ranks' collective sequences apart: the micro-step is over.
   void issue_ready_buckets(const StreamScope&, bool all) {
     Ops ops{*this};
-    for (; next_bucket_ < plan_.num_buckets() && (all || next_bucket_complete()); ++next_bucket_) {
+    for (issuing_end_ = next_bucket_; issuing_end_ < plan_.num_buckets() && (all || bucket_complete(issuing_end_));)
+      ++issuing_end_;
+    for (; next_bucket_ < issuing_end_; ++next_bucket_) {
       try {
         P::gradients_complete(ops, next_bucket_);
       } catch (const std::exception& e) {
@@ -1348,9 +1367,9 @@ class DataParallel {
   }
 
   /// Whether every tensor of the next bucket to issue has been announced by grad_ready.
-  bool next_bucket_complete() const {
-    return next_bucket_ < plan_.num_buckets() && !bucket_open_[next_bucket_] &&
-           bucket_ready_[next_bucket_] == plan_.bucket(next_bucket_).tensors.size();
+  bool next_bucket_complete() const { return next_bucket_ < plan_.num_buckets() && bucket_complete(next_bucket_); }
+  bool bucket_complete(std::size_t b) const {
+    return !bucket_open_[b] && bucket_ready_[b] == plan_.bucket(b).tensors.size();
   }
 
   /// The agreement's collectives run on the work stream, after the comm stream's.
@@ -1400,6 +1419,7 @@ class DataParallel {
     bucket_ready_.assign(plan_.num_buckets(), 0);
     try {  // a rank that cannot allocate says so on every rank, so that none waits for it in a collective
       allocate();
+      plan_runs();
       build_segments();
       (this->*steps_->construct)(scope);
     } catch (const std::exception& e) {
@@ -1432,25 +1452,40 @@ class DataParallel {
     params_pending_.assign(plan_.num_buckets(), 0);
   }
 
+  /// The runs of buckets that one launch packs or unpacks where a step issues the run together (kernels/pack.hpp,
+  /// RunGrouping); copy mode only, a run per bucket with owned storage (nothing is packed). Gradients are packed in
+  /// bucket order, into grad_flat: in runs growing from bucket 0 (at one rank, with no collective to start early, in
+  /// one run); a staging bucket holds one bucket at a time. The parameters are unpacked from the last bucket down: in
+  /// runs growing from it where the next forward waits for each bucket (ParametersReady::by_bucket), else in one run.
+  TANDEM_COLD void plan_runs() {
+    const std::size_t n = plan_.num_buckets();
+    const bool copy = storage_ == Storage::user;
+    grad_runs_ = BucketRuns(n, !copy || state_.staging() != nullptr ? RunGrouping::per_bucket
+                               : world_ == 1                        ? RunGrouping::one
+                                                                    : RunGrouping::from_first);
+    param_runs_ = BucketRuns(n, !copy                                                     ? RunGrouping::per_bucket
+                                : options_.parameters_ready == ParametersReady::by_bucket ? RunGrouping::from_last
+                                                                                          : RunGrouping::one);
+  }
+
   TANDEM_COLD void build_pack_tables() {
     std::vector<void*> params, grads;
     for (const TensorRef& t : refs_) {
       params.push_back(t.param);
       grads.push_back(t.grad);
     }
-    std::vector<PackTable> param_tables, grad_tables;
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
-      param_tables.push_back(make_pack_table(plan_, b, params));
-      grad_tables.push_back(make_pack_table(plan_, b, grads));
-    }
-    // Built once, kept in backend memory: a step launches with three pointers per bucket and copies nothing.
+    const std::size_t n = plan_.num_buckets();
+    std::vector<PackTable> param_tables, grad_tables;  // a table per run (plan_runs)
+    for (const Range& run : param_runs_.runs) param_tables.push_back(make_pack_table(plan_, run, params));
+    for (const Range& run : grad_runs_.runs) grad_tables.push_back(make_pack_table(plan_, run, grads));
+    // Built once, kept in backend memory: a step launches with three pointers per run and copies nothing.
     param_tables_ = ResidentPackTables<Backend>(backend_, param_tables, work_stream());
     grad_tables_ = ResidentPackTables<Backend>(backend_, grad_tables, work_stream());
     if (state_.staging() == nullptr) return;
-    staging_gaps_.resize(plan_.num_buckets());  // bucket elements no tensor covers: alignment gaps, padding
-    for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
+    staging_gaps_.resize(n);  // bucket elements no tensor covers: alignment gaps, padding
+    for (std::size_t b = 0; b < n; ++b) {
       std::size_t at = 0;
-      for (const PackTensor& t : grad_tables[b].tensors) {
+      for (const PackTensor& t : grad_tables[b].tensors) {  // a run per bucket
         if (t.offset > at) staging_gaps_[b].push_back({at, t.offset});
         at = std::max(at, t.offset + t.numel);
       }
@@ -1501,8 +1536,18 @@ class DataParallel {
     return {grads, grad_dtype, param, shard, pdtype_, bucket.size, bucket.shard_size, rank_, comm_stream()};
   }
 
-  StoreHint hint(std::size_t b, std::size_t element_bytes) const {
-    return store_hint_for(plan_.bucket(b).size * element_bytes);
+  StoreHint hint(Range buckets, std::size_t element_bytes) const {
+    const Bucket& last = plan_.bucket(buckets.end - 1);
+    return store_hint_for((last.offset + last.size - plan_.bucket(buckets.begin).offset) * element_bytes);
+  }
+
+  /// The launch over `buckets` of `tables`, whose runs are `runs`: a whole run, or one bucket of a run (its tensor
+  /// offsets count from the run's first bucket either way).
+  static PackTableView launch_view(const ResidentPackTables<Backend>& tables, const BucketRuns& runs, Range buckets) {
+    const std::size_t k = runs.run_of[buckets.begin];
+    if (buckets == runs.runs[k]) return tables[k];
+    if (buckets.size() != 1) detail::fail("tandem: internal error: a pack launch covers a run or one of its buckets");
+    return tables.slice(k, buckets.begin - runs.runs[k].begin);
   }
 
   // ---- the optimizer step ---------------------------------------------------------------------------------
@@ -1747,7 +1792,10 @@ class DataParallel {
   detail::TrainingState<Backend> state_;
   detail::BucketKernels<Opt, Backend> kernels_;
   detail::StepControl<Opt, Backend> control_;  ///< the step count and the step's scalars, in backend memory
-  ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers
+  ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers, a table per run
+  BucketRuns param_runs_, grad_runs_;  ///< copy mode: the buckets one launch covers (build_pack_tables)
+  std::size_t issuing_end_ = 0;        ///< issue_ready_buckets issues the buckets before this one now
+  std::size_t packed_end_ = 0;         ///< the run packed last (accumulate_as) ends before this bucket
   std::vector<std::vector<Range>> staging_gaps_;
   detail::GatherSlots gathered_;                       ///< which bucket each gather buffer holds
   std::vector<typename Backend::Event> pslot_ready_;   ///< recorded when a gather into slot s is done (comm stream)

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tandem/backend/allocate.hpp"
@@ -55,35 +56,91 @@ struct PackItem {
   std::uint64_t begin = 0;
 };
 
-/// The item tables of one bucket, built once from the plan. Both item lists hold the same items; only the
-/// order differs, so that a host launch reads memory at ascending addresses (which the hardware prefetches):
-/// `reading_bucket` in bucket order (for unpack), `reading_user` with the tensors in layout order, as users
-/// usually allocate them (for pack). Chunks of one tensor stay ascending in both. On CUDA either will do.
+/// How DataParallel groups buckets into runs, each run packed or unpacked by one launch where a step issues its
+/// buckets together (a launch costs 2.5-3.4 us beyond its bytes on an H200, docs/cuda.md).
+enum class RunGrouping {
+  per_bucket,  ///< a run per bucket
+  one,         ///< every bucket in one run
+  from_first,  ///< issued from bucket 0 up: runs of 1, run_growth, run_growth^2, ... buckets
+  from_last    ///< issued from the last bucket down: the same sizes, counted from the end
+};
+
+/// The growth of from_first / from_last runs. The first run issued is one bucket, so the work waiting for it (its
+/// collective, or the next forward) starts after one bucket's launch; the k-th later run is run_growth^k buckets.
+/// Its launch runs while the work on the (run_growth^k - 1) / (run_growth - 1) buckets issued before it goes on, so
+/// that work never waits for a launch as long as a bucket's collective takes run_growth times its pack or longer: a
+/// collective moves its bytes over links (NVLink: 450 GB/s each way on an H200) about a tenth as fast as the pack
+/// moves them through memory (4.8 TB/s).
+inline constexpr std::size_t run_growth = 4;
+
+/// Buckets [0, n) split into runs of consecutive buckets (RunGrouping), and which run holds each bucket.
+struct BucketRuns {
+  std::vector<Range> runs;          ///< bucket ranges, ascending, covering [0, n)
+  std::vector<std::size_t> run_of;  ///< bucket -> index into runs
+
+  BucketRuns() = default;
+  TANDEM_COLD BucketRuns(std::size_t n, RunGrouping grouping) {
+    std::vector<std::size_t> sizes;  // in issue order
+    for (std::size_t left = n, next = 1; left > 0;) {
+      const std::size_t size = grouping == RunGrouping::per_bucket ? 1
+                               : grouping == RunGrouping::one      ? left
+                                                                   : std::min(next, left);
+      sizes.push_back(size);
+      left -= size;
+      next *= run_growth;
+    }
+    if (grouping == RunGrouping::from_last) std::reverse(sizes.begin(), sizes.end());
+    std::size_t at = 0;
+    for (std::size_t size : sizes) {
+      runs.push_back({at, at + size});
+      run_of.insert(run_of.end(), size, runs.size() - 1);
+      at += size;
+    }
+  }
+  /// The run that holds bucket b.
+  const Range& of(std::size_t b) const { return runs[run_of[b]]; }
+};
+
+/// The item tables of one run of buckets (a single bucket, or several consecutive ones: BucketRuns), built once from
+/// the plan. Tensor offsets count from the run's first bucket: the run's buckets are contiguous in the flat storage.
+/// Both item lists hold the same items; only the order differs, so that a host launch reads memory at ascending
+/// addresses (which the hardware prefetches): `reading_bucket` in bucket order (for unpack), `reading_user` with the
+/// tensors in layout order, as users usually allocate them (for pack). Chunks of one tensor stay ascending in both.
+/// On CUDA either will do. Each bucket's items are contiguous in both lists, so one bucket of the run can be launched
+/// alone (ResidentPackTables::slice).
 struct PackTable {
   std::vector<PackTensor> tensors;
   std::vector<PackItem> reading_bucket;
   std::vector<PackItem> reading_user;
+  /// Bucket j of the run (counted from its first) holds items [bucket_items[j], bucket_items[j + 1]) of
+  /// reading_bucket, and the mirrored [size() - bucket_items[j + 1], size() - bucket_items[j]) of reading_user.
+  std::vector<std::size_t> bucket_items{0};
   std::size_t size() const { return reading_bucket.size(); }
 };
 
-/// Builds bucket `b`'s table; user_pointers[i] is layout tensor i's buffer (param or grad).
-TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vector<void*>& user_pointers,
+/// Builds the table of the buckets `run` (consecutive); user_pointers[i] is layout tensor i's buffer (param or grad).
+TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, Range run, const std::vector<void*>& user_pointers,
                                              std::size_t chunk_elements = pack_chunk_elements) {
   if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
     detail::fail("tandem: pack chunk_elements must be a positive multiple of 16 below 2^32");
-  const Bucket& bucket = plan.bucket(b);
+  if (run.begin >= run.end || run.end > plan.num_buckets())
+    detail::fail("tandem: make_pack_table: buckets [" + std::to_string(run.begin) + ", " + std::to_string(run.end) +
+                 ") are not a non-empty range of the plan's " + std::to_string(plan.num_buckets()));
+  const std::size_t origin = plan.bucket(run.begin).offset;
   PackTable table;
-  table.tensors.reserve(bucket.tensors.size());
-  for (std::size_t k = 0; k < bucket.tensors.size(); ++k) {
-    const std::size_t i = bucket.tensors[k];
-    const Placement& at = plan.placement(i);
-    table.tensors.push_back({user_pointers[i], at.offset, at.numel});
-    const std::size_t numel = at.numel;
-    for (std::size_t begin = 0; begin < numel; begin += chunk_elements)
-      table.reading_bucket.push_back(
-          {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(std::min(chunk_elements, numel - begin)), begin});
+  for (std::size_t b = run.begin; b < run.end; ++b) {
+    const Bucket& bucket = plan.bucket(b);
+    for (const std::size_t i : bucket.tensors) {
+      const Placement& at = plan.placement(i);
+      const auto k = static_cast<std::uint32_t>(table.tensors.size());
+      table.tensors.push_back({user_pointers[i], bucket.offset - origin + at.offset, at.numel});
+      for (std::size_t begin = 0; begin < at.numel; begin += chunk_elements)
+        table.reading_bucket.push_back(
+            {k, static_cast<std::uint32_t>(std::min(chunk_elements, at.numel - begin)), begin});
+    }
+    table.bucket_items.push_back(table.reading_bucket.size());
   }
-  // reading_user: the runs of each tensor's chunks, tensors reversed.
+  // reading_user: the runs of each tensor's chunks, tensors reversed (so each bucket's items stay together).
   const std::vector<PackItem>& items = table.reading_bucket;
   table.reading_user.reserve(items.size());
   for (std::size_t end = items.size(); end > 0;) {
@@ -95,6 +152,12 @@ TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, std::size_t b, co
   return table;
 }
 
+/// Builds bucket `b`'s table alone.
+TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vector<void*>& user_pointers,
+                                             std::size_t chunk_elements = pack_chunk_elements) {
+  return make_pack_table(plan, Range{b, b + 1}, user_pointers, chunk_elements);
+}
+
 /// Where a bucket's tables live for launches: in the backend's memory (device memory on CUDA).
 struct PackTableView {
   const PackItem* reading_user = nullptr;
@@ -103,7 +166,7 @@ struct PackTableView {
   std::size_t items = 0;  ///< items of one launch over the bucket (both lists hold this many)
 };
 
-/// Every bucket's PackTable copied once into backend memory (one allocation for the items, one for the tensors),
+/// Every run's PackTable copied once into backend memory (one allocation for the items, one for the tensors),
 /// so that a step copies nothing, a launch passes three pointers whatever the tensor count (no kernel-parameter
 /// limit), and the launches can be captured in a CUDA graph.
 template <class Backend>
@@ -132,10 +195,21 @@ class ResidentPackTables {
       backend.copy(tensors_.data() + k, t.tensors.data(), t.tensors.size() * sizeof(PackTensor), stream);
       k += t.tensors.size();
       views_.push_back(v);
+      bucket_items_.push_back(t.bucket_items);
     }
     backend.synchronize(stream);  // the copies read `tables` (the caller's host memory) when they run: wait for them
   }
-  const PackTableView& operator[](std::size_t b) const { return views_[b]; }
+  /// Table k: its whole run.
+  const PackTableView& operator[](std::size_t k) const { return views_[k]; }
+  /// Bucket j (counted from the run's first) of table k alone; its tensor offsets still count from the run's start.
+  PackTableView slice(std::size_t k, std::size_t j) const {
+    const std::vector<std::size_t>& at = bucket_items_[k];
+    PackTableView v = views_[k];
+    v.reading_bucket += at[j];
+    v.reading_user += v.items - at[j + 1];
+    v.items = at[j + 1] - at[j];
+    return v;
+  }
   std::size_t size() const { return views_.size(); }
   std::size_t bytes() const { return items_.bytes() + tensors_.bytes(); }
 
@@ -143,6 +217,7 @@ class ResidentPackTables {
   typename Backend::template Buffer<PackItem> items_;
   typename Backend::template Buffer<PackTensor> tensors_;
   std::vector<PackTableView> views_;
+  std::vector<std::vector<std::size_t>> bucket_items_;  ///< PackTable::bucket_items of each table
 };
 
 /// The body of a pack or unpack launch over one bucket.
