@@ -8,7 +8,9 @@
 // without a target measure the alternatives in the same run: plain launches (/plain_launch,
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
 // (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items end alone, so larger items
-// leave the device idle longer at each launch's end). Data is never zeros. Without a GPU it prints a line and exits 0.
+// leave the device idle longer at each launch's end), plain launches of SMs x 8 blocks whatever the kernel's occupancy
+// (/grid8), items that name their addresses themselves (/direct, one dependent load fewer). Data is never zeros.
+// Without a GPU it prints a line and exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -89,6 +91,7 @@ struct PackVariant {
   std::optional<tandem::RunGrouping> grouping;  ///< none: the step's, for the direction
   std::size_t chunk = tandem::pack_chunk_elements;
   bool plain = false;  ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
+  bool grid8 = false;  ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
   tandem::RunGrouping runs(PackDirection direction) const {
     return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
                                                                    : tandem::RunGrouping::from_last);
@@ -98,7 +101,7 @@ struct PackVariant {
                        : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
                                                                      : "") +
            (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
-           (plain ? "/plain_launch" : "");
+           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "");
   }
 };
 
@@ -111,6 +114,7 @@ struct PackSetup {
   tandem::BucketRuns runs;
   DeviceBytes user, flat;
   tandem::ResidentPackTables<tandem::CudaBackend> tables;
+  std::vector<tandem::PackTable> tables_host;
 
   PackSetup(const std::string& layout, PackVariant v, PackDirection direction)
       : sizes(bench::layout(layout)),
@@ -127,6 +131,7 @@ struct PackSetup {
     std::vector<tandem::PackTable> host;
     for (const tandem::Range& run : runs.runs) host.push_back(tandem::make_pack_table(plan, run, pointers, v.chunk));
     tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
+    tables_host = std::move(host);
     TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, at * sizeof(UserT)));  // 0.186 in fp32 and bf16: not zeros
     TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, plan.total_size() * sizeof(BucketT)));
     backend().synchronize(backend().stream());
@@ -163,8 +168,13 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
       const std::size_t k = Direction == PackDirection::to_bucket ? j : s.launches() - 1 - j;
       const tandem::PackTableView& t = s.tables[k];
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
-      cuda.launch(t.items, tandem::PackBody<UserT, BucketT, Direction>{items, t.tensors, s.base(k), 1.0f},
-                  cuda.stream());
+      const tandem::PackBody<UserT, BucketT, Direction> body{items, t.tensors, s.base(k), 1.0f};
+      if (variant.grid8)
+        tandem::detail::
+            run_items<<<tandem::launch_shape(t.items, cuda.max_blocks()).grid, tandem::block_threads, 0, stream>>>(
+                body, t.items);
+      else
+        cuda.launch(t.items, body, cuda.stream());
     }
   };
   one_pass();  // warm up
@@ -181,6 +191,62 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
   state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
   state.counters["launches"] = static_cast<double>(s.launches());
+}
+
+/// An fp32 pack item that names its two addresses itself: the body loads it, then the data; PackBody loads the item,
+/// then its tensor's record, then the data. What that second dependent load costs: cuda_pack/<layout>/direct.
+struct DirectItem {
+  const float* src;
+  float* dst;
+  std::uint64_t count;
+};
+struct DirectPackBody {
+  const DirectItem* items;
+  tandem::StoreHint hint;
+  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
+    const DirectItem it = items[item];
+    tandem::detail::cast_segment<float, float, tandem::WriteMode::assign>(it.src, it.dst, it.count, 1.0f, lane, lanes,
+                                                                          hint);
+  }
+};
+
+/// The fp32 pack of a layout as the target row launches it, with DirectItems made from the same tables.
+void BM_pack_direct(benchmark::State& state, const std::string& layout) {
+  auto& s = PackSetup<float, float>::get(layout, PackVariant{}, PackDirection::to_bucket);
+  std::vector<std::vector<DirectItem>> host(s.launches());
+  std::size_t total = 0;
+  for (std::size_t k = 0; k < s.launches(); ++k) {
+    const tandem::PackTableView& t = s.tables[k];
+    std::vector<tandem::PackItem> items(t.items);
+    std::vector<tandem::PackTensor> tensors(s.tables_host[k].tensors);
+    TANDEM_CUDA_CHECK(cudaMemcpy(items.data(), t.reading_user, t.items * sizeof(tandem::PackItem), cudaMemcpyDefault));
+    for (const tandem::PackItem& it : items)
+      host[k].push_back({static_cast<const float*>(tensors[it.tensor].user) + it.begin,
+                         s.base(k) + tensors[it.tensor].offset + it.begin, it.count});
+    total += items.size();
+  }
+  DeviceBytes device(total * sizeof(DirectItem));
+  std::vector<const DirectItem*> at;
+  for (std::size_t k = 0, i = 0; k < s.launches(); i += host[k].size(), ++k) {
+    at.push_back(static_cast<const DirectItem*>(device.p) + i);
+    TANDEM_CUDA_CHECK(cudaMemcpy(const_cast<DirectItem*>(at.back()), host[k].data(),
+                                 host[k].size() * sizeof(DirectItem), cudaMemcpyHostToDevice));
+  }
+  const tandem::CudaBackend& cuda = backend();
+  auto one_pass = [&] {
+    for (std::size_t k = 0; k < s.launches(); ++k)
+      cuda.launch(host[k].size(), DirectPackBody{at[k], tandem::StoreHint::cached}, cuda.stream());
+  };
+  one_pass();
+  double seconds = 0;
+  for (auto _ : state) {
+    const double t = event_seconds(tandem::detail::native(cuda.stream()), 1, one_pass);
+    state.SetIterationTime(t);
+    seconds += t;
+  }
+  const std::size_t traffic = bench::total(s.sizes) * 8;
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (seconds / static_cast<double>(state.iterations()));
 }
 
 template <class P>
@@ -316,10 +382,11 @@ void register_all() {
   }
   // What plain launches, a launch per bucket, one launch over every bucket, and larger or smaller items give (no
   // target: they say where to go next).
-  for (const PackVariant v : {PackVariant{.plain = true}, PackVariant{.grouping = tandem::RunGrouping::per_bucket},
-                              PackVariant{.grouping = tandem::RunGrouping::one},
-                              PackVariant{.grouping = tandem::RunGrouping::one, .chunk = 4096},
-                              PackVariant{.chunk = 4096}, PackVariant{.chunk = 512}})
+  for (const PackVariant v :
+       {PackVariant{.plain = true}, PackVariant{.grid8 = true},
+        PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
+        PackVariant{.grouping = tandem::RunGrouping::one, .chunk = 4096}, PackVariant{.chunk = 4096},
+        PackVariant{.chunk = 512}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
@@ -332,6 +399,11 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
+  for (const char* name : {"gpt2", "10000x1KB"})
+    benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + std::string(name) + "/direct").c_str(), BM_pack_direct,
+                                 std::string(name))
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("cuda_adamw/fp32", BM_adamw<float>)
       ->RangeMultiplier(16)
       ->Range(1 << 20, 1 << 28)

@@ -7,16 +7,17 @@
 //             calls it makes and restores the caller's (detail::CudaDeviceGuard; no cudaSetDevice where the device
 //             is current already). Buffers and events it made free themselves on that device the same way.
 //   memory    stream-ordered (cudaMallocAsync / cudaFreeAsync on the backend's stream, from the device's pool)
-//   launch    launch_shape(items, max_blocks()) blocks of block_threads threads, a warp per item (backend/launch.hpp,
-//             the mapping host tests emulate): the warp's threads are the body's lanes. max_blocks() is the device's
-//             resident blocks (SMs x resident_threads_per_sm / block_threads), so a launch is one wave and a larger one
-//             strides. The __global__ wrappers below only forward: every computation is in the host+device bodies.
-//             With CudaBackendOptions::programmatic_launch (on by default) a launch on a device of compute
-//             capability 9.0 or newer is programmatic (the launch attribute
-//             cudaLaunchAttributeProgrammaticStreamSerialization): its blocks may be scheduled while the previous
-//             kernel on the stream drains, and each waits (griddepcontrol.wait) until that kernel has completed and
-//             its writes are visible before it touches memory, so the order is a plain launch's. It hides about 1 us
-//             of the 2.4-3.4 us each launch costs beyond its bytes on an H200 (docs/cuda.md).
+//   launch    launch_shape(items, resident_blocks<Body>()) blocks of block_threads threads, a warp per item
+//             (backend/launch.hpp, the mapping host tests emulate): the warp's threads are the body's lanes.
+//             resident_blocks is the blocks of that kernel the device keeps resident at once (its occupancy, asked of
+//             the runtime once per kernel), so a launch is one wave and a larger one strides. The __global__ wrappers
+//             below only forward: every computation is in the host+device bodies. With
+//             CudaBackendOptions::programmatic_launch (on by default) a launch on a device of compute capability 9.0 or
+//             newer is programmatic (the launch attribute cudaLaunchAttributeProgrammaticStreamSerialization): its
+//             blocks may be scheduled while the previous kernel on the stream drains, and each waits
+//             (griddepcontrol.wait) until that kernel has completed and its writes are visible before it touches
+//             memory, so the order is a plain launch's. It hides about 1 us of the 2.4-3.4 us each launch costs beyond
+//             its bytes on an H200 (docs/cuda.md).
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
 //             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
@@ -46,6 +47,8 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -231,7 +234,8 @@ class CudaBackend {
     const detail::CudaDeviceGuard guard(device_);
     int sms = 0;
     TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    max_blocks_ = static_cast<unsigned>(std::clamp(sms, 1, 1024)) * (resident_threads_per_sm / block_threads);
+    sms_ = static_cast<unsigned>(std::clamp(sms, 1, 1024));
+    max_blocks_ = sms_ * (resident_threads_per_sm / block_threads);
     int major = 0;
     TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
     programmatic_ = options.programmatic_launch && major >= 9;
@@ -253,6 +257,7 @@ class CudaBackend {
   }
   CudaBackend(CudaBackend&& o) noexcept
       : device_(o.device_),
+        sms_(o.sms_),
         max_blocks_(o.max_blocks_),
         programmatic_(o.programmatic_),
         stream_(std::exchange(o.stream_, Stream{})),
@@ -276,6 +281,26 @@ class CudaBackend {
 
   static constexpr const char* name() { return "cuda"; }
   int device() const { return device_; }
+  /// The blocks of Body's kernel the device keeps resident at once: its SMs x the blocks of it one SM holds (its
+  /// occupancy: registers, threads), at most max_blocks(). launch() uses no more, so that a launch is one wave whose
+  /// blocks stride to the end together: a grid larger than that leaves its last blocks to start as others end, and
+  /// the launch's end with fewer warps in flight (the pack kernels keep 5 or 6 blocks of 256 threads per SM, not 8).
+  /// Asked of the runtime once per kernel and device (cudaOccupancyMaxActiveBlocksPerMultiprocessor), kept after.
+  template <class Body>
+  unsigned resident_blocks() const {
+    static std::array<std::atomic<unsigned>, 64> known{};  // per device ordinal; 0: not asked yet
+    const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
+    if (cached) {
+      const unsigned blocks = known[static_cast<std::size_t>(device_)].load(std::memory_order_relaxed);
+      if (blocks != 0) return blocks;
+    }
+    int per_sm = 0;
+    TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, detail::run_items<Body>,
+                                                                    static_cast<int>(block_threads), 0));
+    const unsigned blocks = std::min(max_blocks_, sms_ * static_cast<unsigned>(std::max(per_sm, 1)));
+    if (cached) known[static_cast<std::size_t>(device_)].store(blocks, std::memory_order_relaxed);
+    return blocks;
+  }
   /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
   /// / block_threads).
   unsigned max_blocks() const { return max_blocks_; }
@@ -320,13 +345,14 @@ class CudaBackend {
     wait_for(event.get(), s, "read", bytes, WaitPoint::copy);  // pinned host memory: the copy is asynchronous
   }
 
-  /// Runs body(item, lane, lanes) for every item: launch_shape(items, max_blocks()) blocks, a warp per item.
+  /// Runs body(item, lane, lanes) for every item: launch_shape(items, resident_blocks<Body>()) blocks, a warp per
+  /// item.
   template <class Body>
   void launch(std::size_t items, const Body& body, Stream stream = {}) const {
     const cudaStream_t s = detail::native(stream);
-    const LaunchShape shape = launch_shape(items, max_blocks_);
-    if (shape.grid == 0) return;
+    if (items == 0) return;
     const detail::CudaDeviceGuard guard(device_);
+    const LaunchShape shape = launch_shape(items, resident_blocks<Body>());
     if (!programmatic_) {
       detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
       TANDEM_CUDA_CHECK(cudaGetLastError());
@@ -426,6 +452,7 @@ class CudaBackend {
   }
 
   int device_ = -1;
+  unsigned sms_ = 1;
   unsigned max_blocks_ = max_grid_blocks;
   bool programmatic_ = false;  // launch() is programmatic (options.programmatic_launch on a 9.0+ device)
   Stream stream_;
