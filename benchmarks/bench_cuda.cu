@@ -9,8 +9,8 @@
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
 // (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items end alone, so larger items
 // leave the device idle longer at each launch's end), plain launches of SMs x 8 blocks whatever the kernel's occupancy
-// (/grid8), items that name their addresses themselves (/direct, one dependent load fewer). Data is never zeros.
-// Without a GPU it prints a line and exits 0.
+// (/grid8), a step whose unpacks go in runs from the last bucket (/by_bucket, ParametersReady::by_bucket). Data is
+// never zeros. Without a GPU it prints a line and exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -114,7 +115,6 @@ struct PackSetup {
   tandem::BucketRuns runs;
   DeviceBytes user, flat;
   tandem::ResidentPackTables<tandem::CudaBackend> tables;
-  std::vector<tandem::PackTable> tables_host;
 
   PackSetup(const std::string& layout, PackVariant v, PackDirection direction)
       : sizes(bench::layout(layout)),
@@ -131,7 +131,6 @@ struct PackSetup {
     std::vector<tandem::PackTable> host;
     for (const tandem::Range& run : runs.runs) host.push_back(tandem::make_pack_table(plan, run, pointers, v.chunk));
     tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
-    tables_host = std::move(host);
     TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, at * sizeof(UserT)));  // 0.186 in fp32 and bf16: not zeros
     TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, plan.total_size() * sizeof(BucketT)));
     backend().synchronize(backend().stream());
@@ -193,62 +192,6 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
   state.counters["launches"] = static_cast<double>(s.launches());
 }
 
-/// An fp32 pack item that names its two addresses itself: the body loads it, then the data; PackBody loads the item,
-/// then its tensor's record, then the data. What that second dependent load costs: cuda_pack/<layout>/direct.
-struct DirectItem {
-  const float* src;
-  float* dst;
-  std::uint64_t count;
-};
-struct DirectPackBody {
-  const DirectItem* items;
-  tandem::StoreHint hint;
-  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
-    const DirectItem it = items[item];
-    tandem::detail::cast_segment<float, float, tandem::WriteMode::assign>(it.src, it.dst, it.count, 1.0f, lane, lanes,
-                                                                          hint);
-  }
-};
-
-/// The fp32 pack of a layout as the target row launches it, with DirectItems made from the same tables.
-void BM_pack_direct(benchmark::State& state, const std::string& layout) {
-  auto& s = PackSetup<float, float>::get(layout, PackVariant{}, PackDirection::to_bucket);
-  std::vector<std::vector<DirectItem>> host(s.launches());
-  std::size_t total = 0;
-  for (std::size_t k = 0; k < s.launches(); ++k) {
-    const tandem::PackTableView& t = s.tables[k];
-    std::vector<tandem::PackItem> items(t.items);
-    std::vector<tandem::PackTensor> tensors(s.tables_host[k].tensors);
-    TANDEM_CUDA_CHECK(cudaMemcpy(items.data(), t.reading_user, t.items * sizeof(tandem::PackItem), cudaMemcpyDefault));
-    for (const tandem::PackItem& it : items)
-      host[k].push_back({static_cast<const float*>(tensors[it.tensor].user) + it.begin,
-                         s.base(k) + tensors[it.tensor].offset + it.begin, it.count});
-    total += items.size();
-  }
-  DeviceBytes device(total * sizeof(DirectItem));
-  std::vector<const DirectItem*> at;
-  for (std::size_t k = 0, i = 0; k < s.launches(); i += host[k].size(), ++k) {
-    at.push_back(static_cast<const DirectItem*>(device.p) + i);
-    TANDEM_CUDA_CHECK(cudaMemcpy(const_cast<DirectItem*>(at.back()), host[k].data(),
-                                 host[k].size() * sizeof(DirectItem), cudaMemcpyHostToDevice));
-  }
-  const tandem::CudaBackend& cuda = backend();
-  auto one_pass = [&] {
-    for (std::size_t k = 0; k < s.launches(); ++k)
-      cuda.launch(host[k].size(), DirectPackBody{at[k], tandem::StoreHint::cached}, cuda.stream());
-  };
-  one_pass();
-  double seconds = 0;
-  for (auto _ : state) {
-    const double t = event_seconds(tandem::detail::native(cuda.stream()), 1, one_pass);
-    state.SetIterationTime(t);
-    seconds += t;
-  }
-  const std::size_t traffic = bench::total(s.sizes) * 8;
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (seconds / static_cast<double>(state.iterations()));
-}
-
 template <class P>
 void BM_adamw(benchmark::State& state) {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
@@ -299,7 +242,10 @@ void BM_adamw(benchmark::State& state) {
 /// replayed from a CUDA graph it was captured into after a first eager step (docs/cuda.md, "Capturing a step"). Its
 /// floor is its memory traffic: the pack reads the gradients and writes the bucket, AdamW reads gradient, weight, m
 /// and v and writes weight, m and v, the unpack reads the bucket and writes the parameters (44 bytes per element).
-void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool plain) {
+/// Under ParametersReady::by_bucket the user's stream then waits for every bucket (wait_parameters), so that the time
+/// counts every unpack either way.
+void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool plain,
+             tandem::ParametersReady ready) {
   const std::vector<std::size_t> sizes = bench::layout(layout);
   std::size_t at = 0;
   std::vector<std::size_t> offsets;
@@ -323,13 +269,18 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
     cudaGraphExec_t exec = nullptr;
     try {
       tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-          comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}},
+          comm, refs, {.lr = 1e-4f}, {.parameters_ready = ready, .stream = tandem::Stream{user}},
           tandem::CudaBackend(tandem::CudaBackendOptions{.programmatic_launch = !plain}));
       dp.broadcast_parameters();
-      dp.step();  // the warm-up step: whatever a first step sets up is set up
+      auto step = [&] {
+        dp.step();
+        if (ready == tandem::ParametersReady::by_bucket)
+          for (std::size_t b = 0; b < dp.num_buckets(); ++b) dp.wait_parameters(b);
+      };
+      step();  // the warm-up step: whatever a first step sets up is set up
       if (graph) {
         TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
-        dp.step();
+        step();
         TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &captured));
         TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
       }
@@ -337,7 +288,7 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
         if (graph)
           TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
         else
-          dp.step();
+          step();
       };
       one();
       for (auto _ : state) {
@@ -385,8 +336,7 @@ void register_all() {
   for (const PackVariant v :
        {PackVariant{.plain = true}, PackVariant{.grid8 = true},
         PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
-        PackVariant{.grouping = tandem::RunGrouping::one, .chunk = 4096}, PackVariant{.chunk = 4096},
-        PackVariant{.chunk = 512}})
+        PackVariant{.chunk = 512}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
@@ -399,11 +349,6 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
-  for (const char* name : {"gpt2", "10000x1KB"})
-    benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + std::string(name) + "/direct").c_str(), BM_pack_direct,
-                                 std::string(name))
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("cuda_adamw/fp32", BM_adamw<float>)
       ->RangeMultiplier(16)
       ->Range(1 << 20, 1 << 28)
@@ -415,12 +360,16 @@ void register_all() {
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
 #if TANDEM_BENCH_STEP
-  for (const bool plain : {false, true})
+  using tandem::ParametersReady;
+  for (const auto [plain, ready] :
+       {std::pair{false, ParametersReady::at_step}, std::pair{true, ParametersReady::at_step},
+        std::pair{false, ParametersReady::by_bucket}})
     for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
       benchmark::RegisterBenchmark(
-          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (plain ? "/plain_launch" : ""))
+          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (plain ? "/plain_launch" : "") +
+           (ready == ParametersReady::by_bucket ? "/by_bucket" : ""))
               .c_str(),
-          BM_step, std::string("gpt2"), graph, plain)
+          BM_step, std::string("gpt2"), graph, plain, ready)
           ->Iterations(20)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
