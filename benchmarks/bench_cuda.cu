@@ -7,10 +7,9 @@
 // pack/unpack x_copy >= 0.9 on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows
 // without a target measure the alternatives in the same run: plain launches (/plain_launch,
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
-// (/one_launch), 4096- and 512-element items (/chunk4096, /chunk512: a launch's last items end alone, so larger items
-// leave the device idle longer at each launch's end), plain launches of SMs x 8 blocks whatever the kernel's occupancy
-// (/grid8), a step whose unpacks go in runs from the last bucket (/by_bucket, ParametersReady::by_bucket). Data is
-// never zeros. Without a GPU it prints a line and exits 0.
+// (/one_launch), items of 512, 2048 and 4096 elements instead of 1024 (/chunk512, /chunk2048, /chunk4096), plain
+// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8). Data is never zeros. Without a GPU it prints a
+// line and exits 0.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -18,7 +17,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -86,8 +84,8 @@ const tandem::CudaBackend& plain_backend() {
 
 /// How a pack benchmark launches: a launch per run of buckets (kernels/pack.hpp, RunGrouping), with `chunk` elements
 /// per item. The target rows launch as a step of DataParallel does where it issues every bucket at once (step() with no
-/// grad_ready), at more than one rank: the packs in runs from bucket 0, the unpacks in runs from the last bucket
-/// (ParametersReady::by_bucket; at_step, the default, and the packs at one rank are /one_launch).
+/// grad_ready), at more than one rank: the packs in runs from bucket 0, the unpacks in runs from the last bucket (at
+/// one rank the packs are one run: /one_launch).
 struct PackVariant {
   std::optional<tandem::RunGrouping> grouping;  ///< none: the step's, for the direction
   std::size_t chunk = tandem::pack_chunk_elements;
@@ -242,10 +240,7 @@ void BM_adamw(benchmark::State& state) {
 /// replayed from a CUDA graph it was captured into after a first eager step (docs/cuda.md, "Capturing a step"). Its
 /// floor is its memory traffic: the pack reads the gradients and writes the bucket, AdamW reads gradient, weight, m
 /// and v and writes weight, m and v, the unpack reads the bucket and writes the parameters (44 bytes per element).
-/// Under ParametersReady::by_bucket the user's stream then waits for every bucket (wait_parameters), so that the time
-/// counts every unpack either way.
-void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool plain,
-             tandem::ParametersReady ready) {
+void BM_step(benchmark::State& state, const std::string& layout, bool graph, bool plain) {
   const std::vector<std::size_t> sizes = bench::layout(layout);
   std::size_t at = 0;
   std::vector<std::size_t> offsets;
@@ -269,18 +264,13 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
     cudaGraphExec_t exec = nullptr;
     try {
       tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::CudaBackend, tandem::Nccl> dp(
-          comm, refs, {.lr = 1e-4f}, {.parameters_ready = ready, .stream = tandem::Stream{user}},
+          comm, refs, {.lr = 1e-4f}, {.stream = tandem::Stream{user}},
           tandem::CudaBackend(tandem::CudaBackendOptions{.programmatic_launch = !plain}));
       dp.broadcast_parameters();
-      auto step = [&] {
-        dp.step();
-        if (ready == tandem::ParametersReady::by_bucket)
-          for (std::size_t b = 0; b < dp.num_buckets(); ++b) dp.wait_parameters(b);
-      };
-      step();  // the warm-up step: whatever a first step sets up is set up
+      dp.step();  // the warm-up step: whatever a first step sets up is set up
       if (graph) {
         TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
-        step();
+        dp.step();
         TANDEM_CUDA_CHECK(cudaStreamEndCapture(user, &captured));
         TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, captured, 0));
       }
@@ -288,7 +278,7 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
         if (graph)
           TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
         else
-          step();
+          dp.step();
       };
       one();
       for (auto _ : state) {
@@ -360,16 +350,12 @@ void register_all() {
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
 #if TANDEM_BENCH_STEP
-  using tandem::ParametersReady;
-  for (const auto [plain, ready] :
-       {std::pair{false, ParametersReady::at_step}, std::pair{true, ParametersReady::at_step},
-        std::pair{false, ParametersReady::by_bucket}})
+  for (const bool plain : {false, true})
     for (const bool graph : {false, true})  // one call each: a DataParallel of GPT-2's size is built per call
       benchmark::RegisterBenchmark(
-          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (plain ? "/plain_launch" : "") +
-           (ready == ParametersReady::by_bucket ? "/by_bucket" : ""))
+          (std::string(graph ? "cuda_step/graph/gpt2" : "cuda_step/eager/gpt2") + (plain ? "/plain_launch" : ""))
               .c_str(),
-          BM_step, std::string("gpt2"), graph, plain, ready)
+          BM_step, std::string("gpt2"), graph, plain)
           ->Iterations(20)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The CUDA pack/unpack launches, emulated exactly on the host. For each bucket the CUDA backend launches
-// PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp), a warp per item
+// The CUDA pack/unpack launches, emulated exactly on the host. For each bucket (or run of buckets) the CUDA backend
+// launches PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp), a warp per item
 // (tests/support/cuda_launch.hpp emulates it). The item tables it reads are the ResidentPackTables
 // copied into backend memory at plan time. Here the same function computes the shape, the same tables are built
 // and copied (into host memory), and every (block, warp, item, lane) of the launch runs the real body, for the
