@@ -16,7 +16,7 @@
 //             newer is programmatic (the launch attribute cudaLaunchAttributeProgrammaticStreamSerialization): its
 //             blocks may be scheduled while the previous kernel on the stream drains, and each waits
 //             (griddepcontrol.wait) until that kernel has completed and its writes are visible before it touches
-//             memory, so the order is a plain launch's. It hides about 1 us of the 2.4-3.4 us each launch costs beyond
+//             memory, so the order is a plain launch's. It hides about 1 us of the 2.5-3.4 us each launch costs beyond
 //             its bytes on an H200 (docs/cuda.md).
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run

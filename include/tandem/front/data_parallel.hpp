@@ -285,7 +285,8 @@ class DataParallel {
     // Bucket b's gather and unpack on the comm stream, beside the next bucket's update on the work stream; the last
     // bucket (the first layers, which the next forward reads first) first.
     Ops ops{*this};
-    // A run of buckets (param_runs_) is unpacked in one launch, after the update of its first bucket.
+    // A run of buckets (param_runs_) is unpacked in one launch once all its buckets are updated: at its lowest bucket,
+    // which this loop reaches last.
     for (std::size_t b = plan_.num_buckets(); b-- > 0;) {
       update(scope, b);
       P::after_update(ops, b);
