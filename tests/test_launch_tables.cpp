@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA pack/unpack launches, emulated exactly on the host. For each bucket (or run of buckets) the CUDA backend
-// launches PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp), a warp per item
-// (tests/support/cuda_launch.hpp emulates it). The item tables it reads are the ResidentPackTables
-// copied into backend memory at plan time. Here the same function computes the shape, the same tables are built
-// and copied (into host memory), and every (block, warp, item, lane) of the launch runs the real body, for the
-// GPT-2-124M tensor list, 10,000 tensors of 1 KB, and odd sizes at misaligned user pointers; outputs are
-// poisoned first and every element is checked against a plain loop.
+// launches PackBody once, with launch_shape(items) blocks of block_threads threads (backend/launch.hpp), a warp per
+// item (tests/support/cuda_launch.hpp emulates it). The item tables it reads are the ResidentPackTables copied into
+// backend memory at plan time. Here the same function computes the shape, the same tables are built and copied (into
+// host memory), and every (block, warp, item, lane) of the launch runs the real body, for the GPT-2-124M tensor list,
+// 10,000 tensors of 1 KB, and odd sizes at misaligned user pointers; outputs are poisoned first and every element is
+// checked against a plain loop.
 #include <doctest/doctest.h>
 
 #include <algorithm>
