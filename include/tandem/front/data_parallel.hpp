@@ -1231,13 +1231,13 @@ class DataParallel {
   template <Storage S>
   void params_in_as(const StreamScope&, Range buckets, Stream s) {
     if constexpr (S == Storage::user)
-      kernels_.pack_params(backend_, launch_view(param_tables_, param_runs_, buckets),
+      kernels_.pack_params(backend_, param_tables_.view(param_runs_, buckets),
                            param_bucket(param_runs_.of(buckets.begin).begin), hint(buckets, psize_), s);
   }
   template <Storage S>
   void params_out_as(const StreamScope&, Range buckets, Stream s) {
     if constexpr (S == Storage::user)
-      kernels_.unpack_params(backend_, launch_view(param_tables_, param_runs_, buckets),
+      kernels_.unpack_params(backend_, param_tables_.view(param_runs_, buckets),
                              param_bucket(param_runs_.of(buckets.begin).begin), hint(buckets, psize_), s);
   }
   /// Packs bucket b's gradients into grad_flat (owned storage: backward added into grad_flat itself). Buckets come in
@@ -1251,7 +1251,7 @@ class DataParallel {
       if (b != run.begin && b < packed_end_) return;
       const Range buckets = b == run.begin && run.end <= issuing_end_ ? run : Range{b, b + 1};
       packed_end_ = buckets.end;
-      kernels_.pack_grads(backend_, launch_view(grad_tables_, grad_runs_, buckets),
+      kernels_.pack_grads(backend_, grad_tables_.view(grad_runs_, buckets),
                           state_.grad_flat() + plan_.bucket(run.begin).offset,
                           micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, pack_scale(),
                           hint(buckets, sizeof(float)), work_stream());
@@ -1261,8 +1261,8 @@ class DataParallel {
   float* micro_step_gradients_as(std::size_t b, Stream s) {
     if constexpr (S == Storage::user) {
       float* staging = state_.staging();  // one bucket at a time: grad_runs_ is a run per bucket
-      kernels_.pack_grads(backend_, launch_view(grad_tables_, grad_runs_, {b, b + 1}), staging, WriteMode::assign,
-                          pack_scale(), hint({b, b + 1}, sizeof(float)), s);
+      kernels_.pack_grads(backend_, grad_tables_.view(grad_runs_, {b, b + 1}), staging, WriteMode::assign, pack_scale(),
+                          hint({b, b + 1}, sizeof(float)), s);
       for (const Range& gap : staging_gaps_[b])  // the staging buffer is shared: clear what pack skips
         backend_.zero(staging + gap.begin, gap.size() * sizeof(float), s);
       return staging;
@@ -1540,15 +1540,6 @@ class DataParallel {
   StoreHint hint(Range buckets, std::size_t element_bytes) const {
     const Bucket& last = plan_.bucket(buckets.end - 1);
     return store_hint_for((last.offset + last.size - plan_.bucket(buckets.begin).offset) * element_bytes);
-  }
-
-  /// The launch over `buckets` of `tables`, whose runs are `runs`: a whole run, or one bucket of a run (its tensor
-  /// offsets count from the run's first bucket either way).
-  static PackTableView launch_view(const ResidentPackTables<Backend>& tables, const BucketRuns& runs, Range buckets) {
-    const std::size_t k = runs.run_of[buckets.begin];
-    if (buckets == runs.runs[k]) return tables[k];
-    if (buckets.size() != 1) detail::fail("tandem: internal error: a pack launch covers a run or one of its buckets");
-    return tables.slice(k, buckets.begin - runs.runs[k].begin);
   }
 
   // ---- the optimizer step ---------------------------------------------------------------------------------

@@ -210,6 +210,14 @@ class ResidentPackTables {
     v.items = at[j + 1] - at[j];
     return v;
   }
+  /// The launch over `buckets`, the tables being those of `runs`: a whole run, or one bucket of a run (its tensor
+  /// offsets count from the run's first bucket either way).
+  PackTableView view(const BucketRuns& runs, Range buckets) const {
+    const std::size_t k = runs.run_of[buckets.begin];
+    if (buckets == runs.runs[k]) return views_[k];
+    if (buckets.size() != 1) detail::fail("tandem: internal error: a pack launch covers a run or one of its buckets");
+    return slice(k, buckets.begin - runs.runs[k].begin);
+  }
   std::size_t size() const { return views_.size(); }
   std::size_t bytes() const { return items_.bytes() + tensors_.bytes(); }
 
