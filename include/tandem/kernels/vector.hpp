@@ -6,8 +6,11 @@
 // scalar tail. When src and dst are misaligned by different amounts no vector path exists and every element
 // goes through the scalar path. Lane `lane` of `lanes` takes groups lane, lane + lanes, ... (four at a time, the rest
 // two at a time: their loads are in flight together) and the scalar elements whose index is congruent to `lane`; on
-// CUDA a warp's threads are the lanes, the host runs one lane. The product scale * src[i] is rounded before it is added
-// (kernels/detail/rounding.hpp), so an accumulating copy gives the same bits on the host and on the device.
+// CUDA a warp's threads are the lanes, the host runs one lane. Where a 16-bit type meets fp32 (two accesses of each
+// side per group, so two groups at a time), each `lanes` consecutive groups are split among the lanes in 16-byte parts
+// of the fp32 side, so that each of a warp's accesses covers one contiguous range (cast_segment, below). The product
+// scale * src[i] is rounded before it is added (kernels/detail/rounding.hpp), so an accumulating copy gives the same
+// bits on the host and on the device.
 #pragma once
 
 #include <cstddef>
@@ -108,6 +111,48 @@ TANDEM_HD inline void store_vec(T* p, const Vec<T, N>& v) {
 #endif
 }
 
+/// Elements [k * P, (k + 1) * P) of v from p: one access of P * sizeof(T) bytes (16, or 8 for four 16-bit elements),
+/// which p's alignment to that size allows.
+template <std::size_t P, class T, std::size_t N>
+TANDEM_HD inline void load_part(Vec<T, N>& v, std::size_t k, const T* p) {
+  static_assert(N % P == 0 && (P * sizeof(T) == 16 || (P == 4 && sizeof(T) == 2)), "16-byte parts, or 8 of 16 bits");
+#if TANDEM_IN_DEVICE_CODE
+  if constexpr (P * sizeof(T) == 16) {
+    const Vec<T, P> x = load_vec<T, P>(p);
+    TANDEM_UNROLL
+    for (std::size_t e = 0; e < P; ++e) v.v[k * P + e] = x.v[e];
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    TANDEM_UNROLL
+    for (std::size_t e = 0; e < 4; ++e)
+      v.v[k * P + e].bits = static_cast<std::uint16_t>((e < 2 ? u.x : u.y) >> (16 * (e % 2)));
+  }
+#else
+  std::memcpy(&v.v[k * P], p, P * sizeof(T));
+#endif
+}
+
+/// The inverse of load_part: elements [k * P, (k + 1) * P) of v to p, in one access.
+template <std::size_t P, class T, std::size_t N>
+TANDEM_HD inline void store_part(T* p, const Vec<T, N>& v, std::size_t k) {
+  static_assert(N % P == 0 && (P * sizeof(T) == 16 || (P == 4 && sizeof(T) == 2)), "16-byte parts, or 8 of 16 bits");
+#if TANDEM_IN_DEVICE_CODE
+  if constexpr (P * sizeof(T) == 16) {
+    Vec<T, P> x;
+    TANDEM_UNROLL
+    for (std::size_t e = 0; e < P; ++e) x.v[e] = v.v[k * P + e];
+    store_vec<T, P>(p, x);
+  } else {
+    const auto word = [&](std::size_t e) {
+      return unsigned{v.v[k * P + e].bits} | (unsigned{v.v[k * P + e + 1].bits} << 16);
+    };
+    __stwb(reinterpret_cast<uint2*>(p), make_uint2(word(0), word(2)));
+  }
+#else
+  std::memcpy(p, &v.v[k * P], P * sizeof(T));
+#endif
+}
+
 /// A 16-byte-aligned vector store that bypasses the cache on x86 hosts (an ordinary store elsewhere).
 /// The host backend fences after every launch (detail::stream_fence in backend/launch.hpp).
 template <class T, std::size_t N>
@@ -159,10 +204,11 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   const std::size_t groups = (n - head) / G;
   const std::size_t tail = head + groups * G;
   for (std::size_t i = lane; i < head; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
-  // groups: elements [head + g*G, head + (g+1)*G), one 16-byte (or 2x16-byte) load and store each. On the device a
+  // groups: elements [head + g*G, head + (g+1)*G) on the host (one lane), one 16-byte (or 2x16-byte) load and store
+  // each; on the device, the same elements in a block of groups taken part-major (below). On the device a
   // group's loads (its source, and its destination where it accumulates) are apart from its arithmetic, so that
   // several groups' loads are in flight while the results of only one are held: a 16-bit source's results take twice
-  // its registers (ptxas, sm_90: the bf16 -> fp32 pack in 40 registers, not 54).
+  // its registers (ptxas, sm_90: the lane-major bf16 -> fp32 pack took 40 registers, not 54; part-major, 32).
   struct Loaded {
     Vec<Src, G> s;
     Vec<Dst, G> d;  ///< (accumulate)
@@ -192,6 +238,10 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   };
   auto group = [&](std::size_t g) { return cast(load(g)); };
   auto put = [&](std::size_t g, const Loaded& l) { store_vec<Dst, G>(dst + head + g * G, cast(l)); };
+  // On the device, the elements of one 16-byte access of the wider type (P), and the accesses of a group (Q: 2 where a
+  // 16-bit type meets fp32, else 1).
+  constexpr std::size_t P = 16 / (sizeof(Src) > sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
+  constexpr std::size_t Q = G / P;
   const bool streaming = hint == StoreHint::streaming && Mode == WriteMode::assign;
   if (lanes == 1 && streaming) {  // four groups of loads in flight, then the streaming stores
     std::size_t g = 0;
@@ -208,7 +258,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     for (; g < groups; ++g) stream_vec<Dst, G>(dst + head + g * G, group(g));
   } else if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
     for (std::size_t g = 0; g < groups; ++g) store_vec<Dst, G>(dst + head + g * G, group(g));
-  } else {  // the device: four groups' loads in flight per lane, then their stores
+  } else if constexpr (Q == 1) {  // the device: four groups' loads in flight per lane, then their stores
     std::size_t g = lane;
     for (; g + 3 * lanes < groups; g += 4 * lanes) {
       const Loaded l0 = load(g), l1 = load(g + lanes), l2 = load(g + 2 * lanes), l3 = load(g + 3 * lanes);
@@ -225,7 +275,40 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
       put(g, l0);
       put(g + lanes, l1);
     }
-    if (g < groups) store_vec<Dst, G>(dst + head + g * G, group(g));
+    if (g < groups) put(g, load(g));
+  } else {  // the device, where a 16-bit type meets fp32: a group is Q = 2 accesses of P elements of each side
+    // Lane l's groups are l, l + lanes, ...: a whole block of `lanes` consecutive groups is laid out part-major, lane
+    // l's part c at elements [(c * lanes + l) * P, (c * lanes + l + 1) * P) of the block, so that each access
+    // instruction of a warp covers one contiguous range (512 bytes of fp32, 256 of the 16-bit type), whole 32-byte
+    // sectors; lane-major, as on the host, each fp32 access would cover every other 16 bytes, half of each sector.
+    // The last block, if partial, goes lane-major.
+    auto at = [&](std::size_t g, std::size_t c) { return head + (g - lane) * G + (c * lanes + lane) * P; };
+    auto load_parts = [&](std::size_t g) {
+      Loaded l{};
+      TANDEM_UNROLL
+      for (std::size_t c = 0; c < Q; ++c) {
+        load_part<P>(l.s, c, src + at(g, c));
+        if constexpr (Mode == WriteMode::accumulate) load_part<P>(l.d, c, dst + at(g, c));
+      }
+      return l;
+    };
+    auto put_parts = [&](std::size_t g, const Loaded& l) {
+      const Vec<Dst, G> d = cast(l);
+      TANDEM_UNROLL
+      for (std::size_t c = 0; c < Q; ++c) store_part<P>(dst + at(g, c), d, c);
+    };
+    // Two whole blocks at a time (the same trip count in every lane): 2 * Q loads in flight per lane.
+    std::size_t g = lane;
+    for (; g - lane + 2 * lanes <= groups; g += 2 * lanes) {
+      const Loaded l0 = load_parts(g), l1 = load_parts(g + lanes);
+      put_parts(g, l0);
+      put_parts(g + lanes, l1);
+    }
+    if (g - lane + lanes <= groups) {
+      put_parts(g, load_parts(g));
+      g += lanes;
+    }
+    if (g < groups) put(g, load(g));
   }
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
 }
