@@ -91,6 +91,7 @@ struct PackVariant {
   std::size_t chunk = tandem::pack_chunk_elements;
   bool plain = false;  ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
   bool grid8 = false;  ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
+  unsigned lanes = tandem::item_lanes;  ///< per item: a warp, or a slot of 16 or 8 threads (several items per warp)
   tandem::RunGrouping runs(PackDirection direction) const {
     return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
                                                                    : tandem::RunGrouping::from_last);
@@ -100,7 +101,8 @@ struct PackVariant {
                        : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
                                                                      : "") +
            (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
-           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "");
+           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "") +
+           (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
   }
 };
 
@@ -165,11 +167,16 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
       const std::size_t k = Direction == PackDirection::to_bucket ? j : s.launches() - 1 - j;
       const tandem::PackTableView& t = s.tables[k];
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
-      const tandem::PackBody<UserT, BucketT, Direction> body{items, t.tensors, s.base(k), 1.0f};
+      using Body = tandem::PackBody<UserT, BucketT, Direction>;
+      const Body body{items, t.tensors, s.base(k), 1.0f};
       if (variant.grid8)
         tandem::detail::
             run_items<<<tandem::launch_shape(t.items, cuda.max_blocks()).grid, tandem::block_threads, 0, stream>>>(
                 body, t.items);
+      else if (variant.lanes == 16)
+        cuda.launch(t.items, tandem::WithItemLanes<Body, 16>{body}, cuda.stream());
+      else if (variant.lanes == 8)
+        cuda.launch(t.items, tandem::WithItemLanes<Body, 8>{body}, cuda.stream());
       else
         cuda.launch(t.items, body, cuda.stream());
     }
@@ -321,12 +328,13 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  // What plain launches, a launch per bucket, one launch over every bucket, and larger or smaller items give (no
-  // target: they say where to go next).
+  // What plain launches, a launch per bucket, one launch over every bucket, larger or smaller items, and 16 or 8 lanes
+  // per item (two or four items per warp) give (no target: they say where to go next).
   for (const PackVariant v :
        {PackVariant{.plain = true}, PackVariant{.grid8 = true},
         PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
-        PackVariant{.chunk = 512}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}})
+        PackVariant{.chunk = 512}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}, PackVariant{.lanes = 16},
+        PackVariant{.lanes = 8}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way

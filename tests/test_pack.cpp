@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <tuple>
@@ -25,16 +26,19 @@ namespace {
 using tandem::BFloat16;
 using tandem::Float16;
 
-enum class Lanes { host, cuda_launch };
+enum class Lanes { host, cuda_launch, cuda_half_warps };
 
-// Runs body over `items` as the host backend does, or as a CUDA grid of at most 7 blocks (grid-stride too) would.
+// Runs body over `items` as the host backend does, or as a CUDA grid of at most 7 blocks (grid-stride too) would, a
+// warp or half a warp per item.
 template <class Body>
 void run(std::size_t items, const Body& body, Lanes lanes) {
   if (lanes == Lanes::host) {
     tandem::HostBackend{}.launch(items, body);
-    return;
+  } else if (lanes == Lanes::cuda_launch) {
+    test::emulate_cuda_launch(items, body, 7);
+  } else {
+    test::emulate_cuda_launch(items, tandem::WithItemLanes<Body, 16>{body}, 7);
   }
-  test::emulate_cuda_launch(items, body, 7);
 }
 
 template <class T>
@@ -171,15 +175,15 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA-warp lanes", Pair, std::pair<float, float>,
-                   std::pair<BFloat16, float>, std::pair<Float16, float>, std::pair<float, BFloat16>,
-                   std::pair<BFloat16, BFloat16>, std::pair<Float16, Float16>) {
+TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA lanes (a warp or half a warp per item)", Pair,
+                   std::pair<float, float>, std::pair<BFloat16, float>, std::pair<Float16, float>,
+                   std::pair<float, BFloat16>, std::pair<BFloat16, BFloat16>, std::pair<Float16, Float16>) {
   using UserT = typename Pair::first_type;
   using BucketT = typename Pair::second_type;
   std::mt19937 rng(77);
   for (int trial = 0; trial < 60; ++trial) {
     CAPTURE(trial);
-    const Lanes lanes = trial % 2 ? Lanes::cuda_launch : Lanes::host;
+    const Lanes lanes = trial % 3 == 0 ? Lanes::host : trial % 3 == 1 ? Lanes::cuda_launch : Lanes::cuda_half_warps;
     check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::assign);
     check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::accumulate);
   }
@@ -193,35 +197,59 @@ TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero i
   CHECK(std::memcmp(src.data(), dst.data(), bits.size() * 4) == 0);
 }
 
-TEST_CASE("the CUDA launch mappings visit every item exactly once: a warp per item, and a block per reduced item") {
+// A body of L lanes per item (the default, a warp, declares nothing) that records which lanes ran each item.
+template <unsigned L>
+struct LaneRecorder {
+  std::vector<std::uint32_t>* seen;  // bit `lane` of each item
+  std::vector<int>* calls;
+  bool* odd;  // a call with other than L lanes, or a lane beyond them (checked once: millions of calls)
+  void operator()(std::size_t i, unsigned lane, unsigned lanes) const {
+    *odd = *odd || lanes != L || lane >= L;
+    (*seen)[i] |= std::uint32_t{1} << (lane % 32);
+    ++(*calls)[i];
+  }
+};
+
+template <class Body, unsigned L>
+void check_item_mapping(std::size_t items, unsigned max_blocks) {
+  static_assert(tandem::lanes_of<Body>() == L);
+  const tandem::LaunchShape s = tandem::launch_shape(items, max_blocks, L);
+  CHECK(s.block == tandem::block_threads);
+  CHECK(s.grid <= max_blocks);
+  CHECK((items == 0) == (s.grid == 0));
+  // a block per block_threads / L items, up to the cap
+  const std::size_t per_block = tandem::block_threads / L;
+  CHECK(s.grid == std::min<std::size_t>((items + per_block - 1) / per_block, max_blocks));
+  std::vector<std::uint32_t> seen(items, 0);
+  std::vector<int> calls(items, 0);
+  bool odd = false;
+  Body body;
+  body.seen = &seen;
+  body.calls = &calls;
+  body.odd = &odd;
+  CHECK(test::emulate_cuda_launch(items, body, max_blocks) == s.grid);
+  CHECK_FALSE(odd);
+  const std::uint32_t all = L == 32 ? ~std::uint32_t{0} : (std::uint32_t{1} << L) - 1;
+  CHECK(std::all_of(seen.begin(), seen.end(), [&](std::uint32_t m) { return m == all; }));
+  CHECK(std::all_of(calls.begin(), calls.end(), [](int c) { return c == int{L}; }));  // each lane once
+}
+
+TEST_CASE(
+    "the CUDA launch mappings visit every item exactly once: a warp (or its slot) per item, a block per reduced "
+    "item") {
+  static_assert(tandem::launch_shape(1000).grid == tandem::launch_shape(1000, tandem::max_grid_blocks, 32).grid);
   for (std::size_t items : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{9},
                             std::size_t{255}, std::size_t{65535}, std::size_t{65536}, std::size_t{200001}}) {
     for (unsigned max_blocks : {1u, 7u, 1024u, tandem::max_grid_blocks}) {
       CAPTURE(items);
       CAPTURE(max_blocks);
-      const tandem::LaunchShape s = tandem::launch_shape(items, max_blocks);
-      CHECK(s.block == tandem::block_threads);
-      CHECK(s.grid <= max_blocks);
-      CHECK((items == 0) == (s.grid == 0));
-      // a block per items_per_block items, up to the cap
-      CHECK(s.grid ==
-            std::min<std::size_t>((items + tandem::items_per_block - 1) / tandem::items_per_block, max_blocks));
-      std::vector<int> hits(items, 0), lanes(items, 0);
-      const unsigned used = test::emulate_cuda_launch(
-          items,
-          [&](std::size_t i, unsigned lane, unsigned n) {
-            CHECK(n == tandem::item_lanes);
-            hits[i] += lane == 0;
-            ++lanes[i];
-          },
-          max_blocks);
-      CHECK(used == s.grid);
-      CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
-      CHECK(std::all_of(lanes.begin(), lanes.end(), [](int l) { return l == int{tandem::item_lanes}; }));
+      check_item_mapping<LaneRecorder<32>, 32>(items, max_blocks);
+      check_item_mapping<tandem::WithItemLanes<LaneRecorder<16>, 16>, 16>(items, max_blocks);
+      check_item_mapping<tandem::WithItemLanes<LaneRecorder<8>, 8>, 8>(items, max_blocks);
 
       const tandem::LaunchShape r = tandem::reduction_shape(items, max_blocks);
       CHECK(r.grid == std::min<std::size_t>(items, max_blocks));
-      std::fill(hits.begin(), hits.end(), 0);
+      std::vector<int> hits(items, 0);
       for (unsigned b = 0; b < r.grid; ++b)
         tandem::for_each_item_of_block(b, r.grid, items, [&](std::size_t i) { ++hits[i]; });
       CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));

@@ -16,7 +16,7 @@ namespace {
 template <class Body>
 __global__ void run_body(Body body, std::size_t items) {
   const unsigned lane = threadIdx.x % tandem::item_lanes;
-  tandem::for_each_item_of_warp(blockIdx.x, threadIdx.x / tandem::item_lanes, gridDim.x, items,
+  tandem::for_each_item_of_slot(blockIdx.x, threadIdx.x / tandem::item_lanes, gridDim.x, items, tandem::item_lanes,
                                 [&](std::size_t item) { body(item, lane, tandem::item_lanes); });
 }
 

@@ -7,8 +7,9 @@
 //             calls it makes and restores the caller's (detail::CudaDeviceGuard; no cudaSetDevice where the device
 //             is current already). Buffers and events it made free themselves on that device the same way.
 //   memory    stream-ordered (cudaMallocAsync / cudaFreeAsync on the backend's stream, from the device's pool)
-//   launch    launch_shape(items, resident_blocks<Body>()) blocks of block_threads threads, a warp per item
-//             (backend/launch.hpp, the mapping host tests emulate): the warp's threads are the body's lanes.
+//   launch    launch_shape(items, resident_blocks<Body>(), lanes_of<Body>()) blocks of block_threads threads, a
+//             warp per item unless the body asks for fewer lanes (backend/launch.hpp, the mapping host tests
+//             emulate): the warp's threads (or its slot's) are the body's lanes.
 //             resident_blocks is the blocks of that kernel the device keeps resident at once (its occupancy, asked of
 //             the runtime once per kernel), so a launch is one wave and a larger one strides. The __global__ wrappers
 //             below only forward: every computation is in the host+device bodies. With
@@ -76,8 +77,9 @@ namespace tandem {
 
 namespace detail {
 
-/// The launch wrapper of every kernel body: forwards (block, warp, thread) to body(item, lane, item_lanes), a warp per
-/// item. __launch_bounds__: every launch uses block_threads threads, which the compiler allocates registers for.
+/// The launch wrapper of every kernel body: forwards (block, slot, thread) to body(item, lane, lanes), lanes_of<Body>()
+/// threads (a warp, unless the body says) per item. __launch_bounds__: every launch uses block_threads threads, which
+/// the compiler allocates registers for.
 template <class Body>
 TANDEM_KERNEL void __launch_bounds__(block_threads) run_items(Body body, std::size_t items) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -88,9 +90,10 @@ TANDEM_KERNEL void __launch_bounds__(block_threads) run_items(Body body, std::si
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  const unsigned lane = threadIdx.x % item_lanes;
-  for_each_item_of_warp(blockIdx.x, threadIdx.x / item_lanes, gridDim.x, items,
-                        [&](std::size_t item) { body(item, lane, item_lanes); });
+  constexpr unsigned lanes = lanes_of<Body>();
+  const unsigned lane = threadIdx.x % lanes;
+  for_each_item_of_slot(blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes,
+                        [&](std::size_t item) { body(item, lane, lanes); });
 }
 
 /// item_sums[item] = the sum over the block's lanes of body(item, lane, lanes), a fixed reduction tree.
@@ -345,14 +348,14 @@ class CudaBackend {
     wait_for(event.get(), s, "read", bytes, WaitPoint::copy);  // pinned host memory: the copy is asynchronous
   }
 
-  /// Runs body(item, lane, lanes) for every item: launch_shape(items, resident_blocks<Body>()) blocks, a warp per
-  /// item.
+  /// Runs body(item, lane, lanes) for every item: launch_shape(items, resident_blocks<Body>(), lanes_of<Body>())
+  /// blocks, a warp per item unless the body asks for fewer lanes.
   template <class Body>
   void launch(std::size_t items, const Body& body, Stream stream = {}) const {
     const cudaStream_t s = detail::native(stream);
     if (items == 0) return;
     const detail::CudaDeviceGuard guard(device_);
-    const LaunchShape shape = launch_shape(items, resident_blocks<Body>());
+    const LaunchShape shape = launch_shape(items, resident_blocks<Body>(), lanes_of<Body>());
     if (!programmatic_) {
       detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
       TANDEM_CUDA_CHECK(cudaGetLastError());

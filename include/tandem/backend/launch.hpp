@@ -3,14 +3,16 @@
 // can prove the mapping covers every item exactly once.
 //
 // A kernel body is a callable body(item, lane, lanes): it does the part of work item `item` that lane `lane` of
-// `lanes` cooperating lanes owns. On CUDA a launch gives each item a warp (lanes = item_lanes = 32): a block of
-// block_threads threads works on items_per_block items at once, and warp w of block b walks items
-// b * items_per_block + w, then + grid * items_per_block, ... (grid-stride). A warp rather than a block per item keeps
-// every lane busy on small items (a 1 KB tensor is 64 vectors: a block would leave three quarters of its threads idle)
-// and needs no synchronisation inside a block. A reduction (CudaBackend::sum_to) gives each item a block instead, whose
-// lanes reduce together: block b walks items b, b + grid, .... The grid is at most max_blocks blocks (the device's
-// resident blocks, CudaBackend::max_blocks): further items are reached by the grid-stride loop. On the host one lane
-// does the whole item (lane 0 of 1), items in linear order, which is cache-friendly and vectorizable.
+// `lanes` cooperating lanes owns. On CUDA a launch gives each item a warp (lanes = item_lanes = 32), or a part of one
+// where the body asks for fewer lanes (lanes_of<Body>: several small items per warp): a block of block_threads
+// threads works on block_threads / lanes items at once, and slot s of block b (its threads s * lanes onward) walks
+// items b * (block_threads / lanes) + s, then + grid * (block_threads / lanes), ... (grid-stride). A warp rather than
+// a block per item keeps every lane busy on small items (a 1 KB tensor is 64 vectors: a block would leave three
+// quarters of its threads idle) and needs no synchronisation inside a block. A reduction (CudaBackend::sum_to) gives
+// each item a block instead, whose lanes reduce together: block b walks items b, b + grid, .... The grid is at most
+// max_blocks blocks (the device's resident blocks, CudaBackend::max_blocks): further items are reached by the
+// grid-stride loop. On the host one lane does the whole item (lane 0 of 1), items in linear order, which is
+// cache-friendly and vectorizable.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +32,24 @@ inline constexpr unsigned block_threads = 256;
 inline constexpr unsigned item_lanes = 32;
 /// Items one block of a launch works on at once.
 inline constexpr unsigned items_per_block = block_threads / item_lanes;
+/// Lanes of one work item of Body's launches: Body::item_lanes where the body declares it (a power of two that divides
+/// a warp), else a warp.
+template <class Body>
+TANDEM_HD constexpr unsigned lanes_of() {
+  if constexpr (requires { Body::item_lanes; }) {
+    constexpr unsigned lanes = Body::item_lanes;
+    static_assert(lanes >= 1 && lanes <= item_lanes && item_lanes % lanes == 0,
+                  "a body's item_lanes is a power of two that divides a warp (32)");
+    return lanes;
+  } else {
+    return item_lanes;
+  }
+}
+/// Body, launched with Lanes lanes per item (lanes_of): on CUDA, block_threads / Lanes items per block at once.
+template <class Body, unsigned Lanes>
+struct WithItemLanes : Body {
+  static constexpr unsigned item_lanes = Lanes;
+};
 /// Threads a CUDA multiprocessor keeps resident at once (sm_80 and sm_90): a launch of more blocks than the device's
 /// SMs x resident_threads_per_sm / block_threads runs in more than one wave.
 inline constexpr unsigned resident_threads_per_sm = 2048;
@@ -41,11 +61,13 @@ struct LaunchShape {
   unsigned block = 0;  ///< threads per block
 };
 
-/// The grid a launch of `items` items uses: a warp per item, so ceil(items / items_per_block) blocks, up to
-/// `max_blocks`.
-constexpr LaunchShape launch_shape(std::size_t items, unsigned max_blocks = max_grid_blocks) {
+/// The grid a launch of `items` items uses: `lanes` threads per item (a warp unless said), so
+/// ceil(items / (block_threads / lanes)) blocks, up to `max_blocks`.
+constexpr LaunchShape launch_shape(std::size_t items, unsigned max_blocks = max_grid_blocks,
+                                   unsigned lanes = item_lanes) {
   if (items == 0) return {0, block_threads};
-  const std::size_t blocks = (items + items_per_block - 1) / items_per_block;
+  const std::size_t per_block = block_threads / lanes;
+  const std::size_t blocks = (items + per_block - 1) / per_block;
   return {static_cast<unsigned>(std::min<std::size_t>(blocks, max_blocks)), block_threads};
 }
 
@@ -67,11 +89,14 @@ TANDEM_HD inline void stream_fence() {
 
 }  // namespace detail
 
-/// Calls f(item) for every item warp `warp` of block `block` of a `grid`-block launch visits, in order.
+/// Calls f(item) for every item slot `slot` (threads slot * lanes onward) of block `block` of a `grid`-block launch of
+/// `lanes` lanes per item visits, in order.
 template <class F>
-TANDEM_HD void for_each_item_of_warp(unsigned block, unsigned warp, unsigned grid, std::size_t items, F&& f) {
-  const std::size_t stride = std::size_t{grid} * items_per_block;
-  for (std::size_t item = std::size_t{block} * items_per_block + warp; item < items; item += stride) f(item);
+TANDEM_HD void for_each_item_of_slot(unsigned block, unsigned slot, unsigned grid, std::size_t items, unsigned lanes,
+                                     F&& f) {
+  const std::size_t per_block = block_threads / lanes;
+  const std::size_t stride = std::size_t{grid} * per_block;
+  for (std::size_t item = std::size_t{block} * per_block + slot; item < items; item += stride) f(item);
 }
 
 /// Calls f(item) for every item block `block` of a `grid`-block reduction visits, in order.
