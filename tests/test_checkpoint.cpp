@@ -69,18 +69,24 @@ Params train(int world, int first, int last, Action action, const std::string& p
   return out;
 }
 
-// The temporary files a save to `path` may leave: beside a file, or inside a checkpoint directory.
-std::vector<std::string> temporaries_of(const std::string& path) {
+// The temporary files writers of `path` leave beside it (`path`.tmp.*).
+std::vector<std::string> temporaries_beside(const std::string& path) {
   const std::filesystem::path p(path);
   std::vector<std::string> found;
-  if (std::filesystem::is_directory(p)) {
-    for (const auto& entry : std::filesystem::directory_iterator(p))
-      if (entry.path().filename().string().find(".tmp") != std::string::npos) found.push_back(entry.path().string());
-    return found;
-  }
   for (const auto& entry : std::filesystem::directory_iterator(p.parent_path()))
     if (entry.path().filename().string().starts_with(p.filename().string() + ".tmp"))
       found.push_back(entry.path().string());
+  return found;
+}
+
+// The temporary files of the checkpoint at `path`: inside it where it is a directory (a sharded checkpoint's shards
+// and manifest), else beside it.
+std::vector<std::string> temporaries_of(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (!std::filesystem::is_directory(p)) return temporaries_beside(path);
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(p))
+    if (entry.path().filename().string().find(".tmp") != std::string::npos) found.push_back(entry.path().string());
   return found;
 }
 
@@ -410,7 +416,7 @@ TEST_CASE("a save whose rename fails removes its temporary file; saves to one pa
   std::filesystem::create_directory(dir);
   std::ofstream(dir + "/keep").put('x');  // not empty: rename over it fails on every file system
   CHECK_THROWS_WITH_AS(tandem::write_checkpoint(dir, c), doctest::Contains("cannot rename"), tandem::error);
-  CHECK(temporaries_of(dir).empty());
+  CHECK(temporaries_beside(dir).empty());  // (the writer's temporary file was `dir`.tmp.*, beside the directory)
   std::filesystem::remove_all(dir);
   // Four writers, five saves each, of four different checkpoints: the file is always one of them, whole.
   const std::string path = temp_path("concurrent");
@@ -460,31 +466,52 @@ TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only
   }
 }
 
-TEST_CASE("ranks that load different checkpoints all throw, and nothing changes") {
-  const std::string early = temp_path("early"), late = temp_path("late");
+TEST_CASE("ranks that load different checkpoints all throw, and nothing changes; a copy of one is the same one") {
+  const std::string early = temp_path("early"), late = temp_path("late"), again = temp_path("again"),
+                    copy = temp_path("copy");
   train<tandem::Replicated>(2, 0, 2, Action::save, early);
   train<tandem::Replicated>(2, 0, 3, Action::save, late);
-  std::vector<std::string> messages(2);
-  std::vector<std::uint64_t> steps(2);
-  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
-    mlp::Mlp<float> model(dims, 5);
-    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(
-        comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
-        {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
-    const auto before = model.params();
-    try {
-      dp.load_checkpoint(comm.rank() == 0 ? early : late);
-    } catch (const tandem::error& e) {
-      messages[static_cast<std::size_t>(comm.rank())] = e.what();
-    }
-    steps[static_cast<std::size_t>(comm.rank())] = dp.step_count();
-    CHECK(model.params() == before);
-  });
-  for (const std::string& m : messages)
-    CHECK(m.find("read different checkpoints (steps 2 and 3)") != std::string::npos);
-  CHECK(steps == std::vector<std::uint64_t>{0, 0});
-  std::filesystem::remove_all(early);
-  std::filesystem::remove_all(late);
+  train<tandem::Replicated>(2, 0, 2, Action::save, again);  // the same step (and state), another save
+  std::filesystem::remove_all(copy);
+  std::filesystem::copy(early, copy);
+  // Ranks 0 and 1 load `first` and `second`: what each threw ("" if nothing), and each's step count after.
+  const auto load = [&](const std::string& first, const std::string& second) {
+    std::vector<std::string> messages(2);
+    std::vector<std::uint64_t> steps(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 5);
+      test::DataParallel<tandem::Replicated, tandem::AdamW> dp(
+          comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+          {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+      const auto before = model.params();
+      try {
+        dp.load_checkpoint(comm.rank() == 0 ? first : second);
+      } catch (const tandem::error& e) {
+        messages[static_cast<std::size_t>(comm.rank())] = e.what();
+        CHECK(model.params() == before);
+      }
+      steps[static_cast<std::size_t>(comm.rank())] = dp.step_count();
+    });
+    return std::pair(messages, steps);
+  };
+  {
+    const auto [messages, steps] = load(early, late);
+    for (const std::string& m : messages)
+      CHECK(m.find("read different checkpoints (steps 2 and 3)") != std::string::npos);
+    CHECK(steps == std::vector<std::uint64_t>{0, 0});
+  }
+  {  // the same step: told apart by their contents (the manifest names each save's own files)
+    const auto [messages, steps] = load(early, again);
+    for (const std::string& m : messages)
+      CHECK(m.find("read different checkpoints (steps 2 and 2)") != std::string::npos);
+    CHECK(steps == std::vector<std::uint64_t>{0, 0});
+  }
+  {  // a copy of the directory holds the same checkpoint
+    const auto [messages, steps] = load(early, copy);
+    CHECK(messages == std::vector<std::string>{"", ""});
+    CHECK(steps == std::vector<std::uint64_t>{2, 2});
+  }
+  for (const std::string& dir : {early, late, again, copy}) std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumulation window, are rejected") {

@@ -232,6 +232,30 @@ TEST_CASE("safetensors: a file the disk has no room for fails before anything is
   CHECK(left() == 0);
 }
 
+TEST_CASE("safetensors: a header over the readers' 100 MiB is refused on write, before anything is written") {
+  const std::string path = test::temp_path("huge_header") + ".safetensors";
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  const auto left = [&] {  // the file, or a temporary file of it
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      n += e.path().filename().string().starts_with(std::filesystem::path(path).filename().string());
+    return n;
+  };
+  // one name of 100 MiB: the header is that and the entry's JSON around it
+  const auto write = [&](std::size_t name_bytes) {
+    tandem::SafetensorsWriter w(path, {{std::string(name_bytes, 'n'), tandem::DType::fp32, 1}}, {}, "the test file");
+    const float x = 1.0f;
+    w.data(&x, sizeof x);
+    w.commit();
+  };
+  CHECK_THROWS_WITH_AS(write(std::size_t{100} << 20), doctest::Contains("the test file would have a header of"),
+                       tandem::error);
+  CHECK(left() == 0);
+  write(std::size_t{1} << 20);  // a 1 MiB name is written, and read back
+  CHECK(tandem::SafetensorsFile(path).tensors().at(0).name.size() == std::size_t{1} << 20);
+  std::filesystem::remove(path);
+}
+
 TEST_CASE("safetensors: the checksums in one metadata value in data order, or per name as earlier files have them") {
   using tandem::parse_safetensors_header;
   // Two tensors whose header order is not their data order: the digits go by the data.

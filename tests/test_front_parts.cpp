@@ -15,8 +15,10 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <new>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -620,6 +622,14 @@ struct LimitedBackend : HostBackend {
 };
 
 }  // namespace
+
+TEST_CASE("a rank's problem in a save or load: the exception's message, or for std::bad_alloc what the rank did") {
+  using tandem::detail::problem_of;
+  CHECK(problem_of(std::bad_alloc(), "writing the checkpoint shard `f`") ==
+        "tandem: out of host memory while writing the checkpoint shard `f` (std::bad_alloc)");
+  CHECK(problem_of(tandem::error("tandem: the disk is full"), "writing") == "tandem: the disk is full");
+  CHECK(problem_of(std::runtime_error("other"), "writing") == "other");
+}
 
 TEST_CASE("an allocation that fails is a tandem::error naming the buffer, on every rank") {
   // Rank 1 cannot hold its first buffer (the parameters' bucket: 1000 fp32 elements padded to 1024); rank 0 can.

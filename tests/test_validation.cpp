@@ -249,6 +249,18 @@ TEST_CASE("bad options name the option") {
     construct(comm, refs, {}, {.lr = -1.0f});
   });
   CHECK(lr[0].find("AdamWOptions::lr") != std::string::npos);
+  const auto nesterov = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(
+        comm, refs, {.lr = 0.1f, .momentum = 0.9f, .nesterov = static_cast<tandem::Nesterov>(3)});
+  });
+  for (const std::string& msg : nesterov) CHECK(msg.find("nesterov is 3, not a Nesterov") != std::string::npos);
+  // a Batch that is not one, passed by one rank only: every rank learns of it, and no rank is left in the gather
+  const auto batch = run_ranks(2, [&](tandem::LocalComm& comm, std::vector<tandem::TensorRef>& refs) {
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, refs, {.lr = 0.1f});
+    (void)dp.all_ranks_have_batch(comm.rank() == 1 ? static_cast<tandem::Batch>(9) : tandem::Batch::available);
+  });
+  for (const std::string& msg : batch)
+    CHECK(msg.find("rank 1 passed a value that is not a Batch") != std::string::npos);
 }
 
 TEST_CASE("broadcast root out of range, tensor index out of range, step before broadcast with owned storage") {

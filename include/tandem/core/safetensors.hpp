@@ -100,6 +100,10 @@ class SafetensorsWriter {
     crcs_.assign(entries_.size(), 0);
     header_ = header();  // (the checksums' digits zero until commit)
     const std::uint64_t n = header_.size();
+    if (n > detail::safetensors_max_header)  // what is written can be read: the readers' limit, checked here too
+      detail::fail("tandem: " + what + " would have a header of " + std::to_string(n) +
+                   " bytes, over the 100 MiB that safetensors readers (tandem's, and the reference implementation) "
+                   "accept: fewer or shorter tensor names");
     std::uint64_t total = 8 + n;
     for (std::size_t i = 0; i < entries_.size(); ++i) total += bytes(i);
     file_.reserve(total);

@@ -401,7 +401,7 @@ class DataParallel {
     try {
       mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, file);
     } catch (const std::exception& e) {
-      problem = e.what();
+      problem = detail::problem_of(e, "writing the checkpoint shard `" + file + "`");
     }
     all_ranks_succeed(problem);
     const std::vector<std::uint64_t> files = all_gather_words({mine.bytes, mine.header_crc});
@@ -422,7 +422,7 @@ class DataParallel {
                              static_cast<std::uint32_t>(files[2 * static_cast<std::size_t>(r) + 1])});
         detail::commit_manifest(dir, m);
       } catch (const std::exception& e) {
-        problem = e.what();
+        problem = detail::problem_of(e, "writing the manifest of the checkpoint `" + dir + "`");
       }
     all_ranks_succeed(problem);
     orphan.kept = true;
@@ -467,7 +467,7 @@ class DataParallel {
         content = single->content_id;
       }
     } catch (const std::exception& e) {
-      problem = e.what();
+      problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
     }
     all_ranks_succeed(problem);
     // Every rank must restore the same state: the same checkpoint's contents (or a copy of them), hence the same step.
@@ -488,7 +488,7 @@ class DataParallel {
       try {
         detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::copy);
       } catch (const std::exception& e) {
-        problem = e.what();
+        problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
       }
       try {
         all_ranks_succeed(problem);

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,15 @@ TANDEM_COLD std::vector<std::uint64_t> all_gather_words(Comm& comm, Backend& bac
   std::vector<std::uint64_t> all(words * ranks);
   backend.read(all.data(), staging.data() + words, all.size() * sizeof(std::uint64_t), backend.stream());
   return all;
+}
+
+/// The problem a rank passes to all_ranks_succeed for an exception it caught while `doing` ("writing `file`"): the
+/// exception's message, or, for host memory that ran out (std::bad_alloc, whose message names nothing), a message
+/// that says what the rank was doing.
+inline std::string problem_of(const std::exception& e, const std::string& doing) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr)
+    return "tandem: out of host memory while " + doing + " (" + e.what() + ")";
+  return e.what();
 }
 
 /// Every rank passes its own problem (empty: none, else the message it would throw, up to 503 bytes of it travel);

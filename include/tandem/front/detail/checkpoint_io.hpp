@@ -452,19 +452,23 @@ inline std::string shard_file_name(std::uint64_t step, std::uint64_t id, int ran
          std::to_string(world) + ".safetensors";
 }
 
-/// The contents of a small file (a manifest), or an error naming it.
+/// The largest manifest tandem writes and reads (about ten million tensors' names and sizes).
+inline constexpr std::size_t manifest_max_bytes = std::size_t{1} << 30;
+
+/// The contents of a small file (a manifest), or an error naming it (also where it is over manifest_max_bytes).
 inline std::string read_text_file(const std::string& path, const std::string& what) {
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) fail("tandem: cannot open " + what + " `" + path + "`: " + std::strerror(errno));
   std::string text;
   char buffer[1 << 14];
-  for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) {
+  for (std::size_t n; text.size() <= manifest_max_bytes && (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;)
     text.append(buffer, n);
-    if (text.size() > (std::size_t{1} << 30)) break;
-  }
   const bool bad = std::ferror(f) != 0;
   std::fclose(f);
   if (bad) fail("tandem: cannot read " + what + " `" + path + "`");
+  if (text.size() > manifest_max_bytes)
+    fail("tandem: " + what + " `" + path + "` is over " + std::to_string(manifest_max_bytes) +
+         " bytes, more than tandem writes or reads");
   return text;
 }
 
@@ -481,6 +485,9 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
     // no previous checkpoint here (or an unreadable one): nothing of it to remove
   }
   const std::string text = manifest_json(m);
+  if (text.size() > manifest_max_bytes)  // what is written can be read (read_text_file's limit)
+    fail("tandem: the checkpoint manifest would take " + std::to_string(text.size()) + " bytes, over the " +
+         std::to_string(manifest_max_bytes) + " tandem reads: fewer or shorter tensor names");
   AtomicFile out(path, "the checkpoint manifest");
   out.write(text.data(), text.size());
   out.commit();
