@@ -4,8 +4,8 @@
 //
 //   tandem_checkpoint verify DIR                    read every byte of every file and check it against its checksum
 //   tandem_checkpoint consolidate DIR OUT [--all]   the parameters as whole tensors in one safetensors file (--all:
-//   with
-//                                                   the master weights and optimizer state), for inference or PyTorch
+//                                                   with the master weights and optimizer state), for inference or
+//                                                   PyTorch
 //   tandem_checkpoint import IN.safetensors DIR     a safetensors file as a parameters-only checkpoint, which
 //                                                   DataParallel::load_checkpoint(DIR) takes as initial parameters
 //

@@ -435,6 +435,22 @@ TEST_CASE("a save whose rename fails removes its temporary file; saves to one pa
   std::remove(path.c_str());
 }
 
+TEST_CASE("sharded saves to different directories at once (two groups of ranks, as two jobs) do not mix") {
+  const std::string a = temp_path("concurrent_a"), b = temp_path("concurrent_b");
+  Params saved_a, saved_b;
+  {
+    std::jthread first([&] { saved_a = train<tandem::OptimizerSharded>(2, 0, 2, Action::save, a); });
+    std::jthread second([&] { saved_b = train<tandem::GradientSharded>(2, 0, 3, Action::save, b); });
+  }
+  REQUIRE(saved_a != saved_b);
+  CHECK(train<tandem::OptimizerSharded>(2, 2, 2, Action::load, a) == saved_a);  // loaded, no step after
+  CHECK(train<tandem::GradientSharded>(2, 3, 3, Action::load, b) == saved_b);
+  CHECK(temporaries_of(a).empty());
+  CHECK(temporaries_of(b).empty());
+  std::filesystem::remove_all(a);
+  std::filesystem::remove_all(b);
+}
+
 TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only what it reads (4096 bytes)") {
   const std::string path = temp_path("long_name");
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {

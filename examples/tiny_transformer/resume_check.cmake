@@ -6,7 +6,8 @@
 # - resumed on 2 ranks under the policy that saved it, its trained parameters are bitwise those of an uninterrupted
 #   80-step run on 2 ranks (the same fingerprint);
 # - its save at step 80 replaces the step-40 checkpoint in the same directory; tandem_checkpoint verifies the result and
-#   consolidates it.
+#   consolidates it, imports the consolidated file as a parameters-only checkpoint, verifies that, and consolidates it
+#   again to the same tensors.
 cmake_minimum_required(VERSION 3.25)
 foreach(var IN ITEMS EXE TOOL DIR)
   if(NOT DEFINED ${var})
@@ -76,6 +77,33 @@ execute_process(COMMAND "${TOOL}" consolidate "${DIR}/ckpt" "${DIR}/model.safete
                 OUTPUT_VARIABLE out ERROR_VARIABLE out)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "tandem_checkpoint consolidate (${rc}):\n${out}")
+endif()
+# The consolidated parameters imported as a parameters-only checkpoint: it verifies, and consolidated again it holds
+# the same tensors, each with the same data checksum (the headers' metadata name their source, so the files differ).
+execute_process(COMMAND "${TOOL}" import "${DIR}/model.safetensors" "${DIR}/imported" RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "tandem_checkpoint import (${rc}):\n${out}")
+endif()
+execute_process(COMMAND "${TOOL}" verify "${DIR}/imported" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "step 0, .*\\(parameters only\\).*verified")
+  message(FATAL_ERROR "tandem_checkpoint verify of the imported checkpoint (${rc}):\n${out}")
+endif()
+execute_process(COMMAND "${TOOL}" consolidate "${DIR}/imported" "${DIR}/again.safetensors" RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "tandem_checkpoint consolidate of the imported checkpoint (${rc}):\n${out}")
+endif()
+foreach(f IN ITEMS model again)
+  file(READ "${DIR}/${f}.safetensors" header OFFSET 8 LIMIT 65536)  # (the JSON header, past its 8-byte length)
+  string(REGEX MATCH "\"crc32c\":\"([0-9a-f]+)\"" _ "${header}")
+  set(${f}_crcs "${CMAKE_MATCH_1}")
+  string(REGEX MATCHALL "\"data_offsets\"" entries "${header}")
+  list(LENGTH entries ${f}_tensors)
+endforeach()
+if(model_crcs STREQUAL "" OR NOT model_crcs STREQUAL again_crcs OR NOT model_tensors EQUAL again_tensors)
+  message(FATAL_ERROR "imported and consolidated again: ${again_tensors} tensors, checksums ${again_crcs}; the "
+                      "consolidated checkpoint: ${model_tensors}, ${model_crcs}")
 endif()
 message(STATUS "resumed on 1 rank: final loss ${resumed} (uninterrupted: ${straight}); on 2 ranks: fingerprint "
                "${resumed_2_fingerprint}, as uninterrupted")
