@@ -23,6 +23,19 @@
 #include "tandem/core/json.hpp"
 #include "tandem/core/safetensors.hpp"
 
+namespace {
+
+// The file at `path` and the temporary files of it (`path`.tmp.*): what a writer of it left.
+int files_named_like(const std::string& path) {
+  const std::filesystem::path p(path);
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(p.parent_path()))
+    n += e.path().filename().string().starts_with(p.filename().string());
+  return n;
+}
+
+}  // namespace
+
 TEST_CASE("CRC-32C: the check value; every implementation this host runs agrees with the tables; it continues") {
   using namespace tandem::detail;
   const char* text = "123456789";
@@ -203,13 +216,6 @@ TEST_CASE("safetensors: pieces written in place, copied or whole, adjacent or sc
 
 TEST_CASE("safetensors: a file the disk has no room for fails before anything is written, and leaves nothing") {
   const std::string path = test::temp_path("no_room") + ".safetensors";
-  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  const auto left = [&] {  // the file, or a temporary file of it
-    int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator(dir))
-      n += e.path().filename().string().starts_with(std::filesystem::path(path).filename().string());
-    return n;
-  };
   bool reserves = false;  // whether the file system reserves space ahead (fallocate)
 #ifdef __linux__
   {
@@ -221,7 +227,8 @@ TEST_CASE("safetensors: a file the disk has no room for fails before anything is
   }
 #endif
   if (!reserves) {
-    MESSAGE("skipped: the file system of " << dir.string() << " does not reserve space ahead (no fallocate)");
+    MESSAGE("skipped: the file system of " << std::filesystem::path(path).parent_path().string()
+                                           << " does not reserve space ahead (no fallocate)");
     return;
   }
   // 2^48 fp32 elements, 1 PiB: past ext4's largest file and any disk's free space.
@@ -229,18 +236,11 @@ TEST_CASE("safetensors: a file the disk has no room for fails before anything is
     tandem::SafetensorsWriter w(path, {{"huge", tandem::DType::fp32, std::uint64_t{1} << 48}}, {}, "the test file");
   };
   CHECK_THROWS_WITH_AS(write(), doctest::Contains("no room on the disk for the test file"), tandem::error);
-  CHECK(left() == 0);
+  CHECK(files_named_like(path) == 0);
 }
 
 TEST_CASE("safetensors: a header over the readers' 100 MiB is refused on write, before anything is written") {
   const std::string path = test::temp_path("huge_header") + ".safetensors";
-  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  const auto left = [&] {  // the file, or a temporary file of it
-    int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator(dir))
-      n += e.path().filename().string().starts_with(std::filesystem::path(path).filename().string());
-    return n;
-  };
   // one name of 100 MiB: the header is that and the entry's JSON around it
   const auto write = [&](std::size_t name_bytes) {
     tandem::SafetensorsWriter w(path, {{std::string(name_bytes, 'n'), tandem::DType::fp32, 1}}, {}, "the test file");
@@ -250,7 +250,7 @@ TEST_CASE("safetensors: a header over the readers' 100 MiB is refused on write, 
   };
   CHECK_THROWS_WITH_AS(write(std::size_t{100} << 20), doctest::Contains("the test file would have a header of"),
                        tandem::error);
-  CHECK(left() == 0);
+  CHECK(files_named_like(path) == 0);
   write(std::size_t{1} << 20);  // a 1 MiB name is written, and read back
   CHECK(tandem::SafetensorsFile(path).tensors().at(0).name.size() == std::size_t{1} << 20);
   std::filesystem::remove(path);

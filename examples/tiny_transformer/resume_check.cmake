@@ -69,31 +69,21 @@ if(NOT resumed_2_fingerprint STREQUAL straight_2_fingerprint OR resumed_2_finger
                       "${straight_2_fingerprint} (they must be equal)")
 endif()
 
-execute_process(COMMAND "${TOOL}" verify "${DIR}/ckpt" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0 OR NOT out MATCHES "step 80, saved by GradientSharded at 2 ranks")
-  message(FATAL_ERROR "tandem_checkpoint verify (${rc}):\n${out}")
-endif()
-execute_process(COMMAND "${TOOL}" consolidate "${DIR}/ckpt" "${DIR}/model.safetensors" RESULT_VARIABLE rc
-                OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "tandem_checkpoint consolidate (${rc}):\n${out}")
-endif()
+# tandem_checkpoint ARGN; fails the check unless it succeeds and its output matches `expect`.
+function(tool expect)
+  execute_process(COMMAND "${TOOL}" ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "${expect}")
+    message(FATAL_ERROR "tandem_checkpoint ${ARGN} (${rc}):\n${out}")
+  endif()
+endfunction()
+
+tool("step 80, saved by GradientSharded at 2 ranks" verify "${DIR}/ckpt")
+tool("" consolidate "${DIR}/ckpt" "${DIR}/model.safetensors")
 # The consolidated parameters imported as a parameters-only checkpoint: it verifies, and consolidated again it holds
 # the same tensors, each with the same data checksum (the headers' metadata name their source, so the files differ).
-execute_process(COMMAND "${TOOL}" import "${DIR}/model.safetensors" "${DIR}/imported" RESULT_VARIABLE rc
-                OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "tandem_checkpoint import (${rc}):\n${out}")
-endif()
-execute_process(COMMAND "${TOOL}" verify "${DIR}/imported" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0 OR NOT out MATCHES "step 0, .*\\(parameters only\\).*verified")
-  message(FATAL_ERROR "tandem_checkpoint verify of the imported checkpoint (${rc}):\n${out}")
-endif()
-execute_process(COMMAND "${TOOL}" consolidate "${DIR}/imported" "${DIR}/again.safetensors" RESULT_VARIABLE rc
-                OUTPUT_VARIABLE out ERROR_VARIABLE out)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "tandem_checkpoint consolidate of the imported checkpoint (${rc}):\n${out}")
-endif()
+tool("" import "${DIR}/model.safetensors" "${DIR}/imported")
+tool("step 0, .*\\(parameters only\\).*verified" verify "${DIR}/imported")
+tool("" consolidate "${DIR}/imported" "${DIR}/again.safetensors")
 foreach(f IN ITEMS model again)
   file(READ "${DIR}/${f}.safetensors" header OFFSET 8 LIMIT 65536)  # (the JSON header, past its 8-byte length)
   string(REGEX MATCH "\"crc32c\":\"([0-9a-f]+)\"" _ "${header}")
