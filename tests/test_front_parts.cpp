@@ -7,10 +7,13 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -20,6 +23,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -575,6 +579,33 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
     // At the saving plan, a rank that owns a shard of the state reads its own file only.
     if (Q::state == tandem::StateSharding::sharded && restore_world == world)
       for (int r = 0; r < world; ++r) CHECK(ckpt.opened(static_cast<std::size_t>(r)) == (r == comm.rank()));
+    // At any plan, it reads exactly the saved slices (each whole, for its checksum) that overlap the elements it owns
+    // of each tensor: from the files' own entries (`[master/|state<k>/]<tensor>[[begin:end]]`), not the reader's plan.
+    std::vector<std::size_t> own_lo(s.size(), SIZE_MAX), own_hi(s.size(), 0);
+    for_each_element<Q>(plan, comm.rank(), [&](std::size_t i, std::size_t e, std::size_t, std::size_t o) {
+      if (o == not_owned) return;
+      own_lo[i] = std::min(own_lo[i], e);
+      own_hi[i] = std::max(own_hi[i], e + 1);
+    });
+    std::uint64_t needed = 0;
+    for (const auto& f : manifest.files) {
+      const tandem::SafetensorsFile file(dir + "/" + f.name);
+      for (const auto& t : file.tensors()) {
+        std::string_view name = t.name;
+        if (const std::size_t slash = name.find('/'); slash != std::string_view::npos) name.remove_prefix(slash + 1);
+        const std::size_t bracket = name.find('[');
+        const std::string tensor(name.substr(0, bracket));
+        const auto i = static_cast<std::size_t>(
+            std::find_if(s.begin(), s.end(), [&](const tandem::TensorSpec& spec) { return spec.name == tensor; }) -
+            s.begin());
+        REQUIRE(i < s.size());
+        std::size_t begin = 0, end = s[i].numel;
+        if (bracket != std::string_view::npos)
+          REQUIRE(std::sscanf(std::string(name.substr(bracket)).c_str(), "[%zu:%zu]", &begin, &end) == 2);
+        if (begin < own_hi[i] && own_lo[i] < end) needed += t.end - t.begin;
+      }
+    }
+    CHECK(ckpt.bytes_read() == needed);
     for_each_element<Q>(plan, comm.rank(), [&](std::size_t i, std::size_t e, std::size_t f, std::size_t o) {
       float expected = 0.0f, param = 0.0f, shard = 0.0f;
       tandem::visit_param_dtype(dtype, [&](auto t) {

@@ -230,6 +230,8 @@ class ShardedCheckpoint {
   const CheckpointManifest& manifest() const { return manifest_; }
   /// Whether file `file` (of the manifest's list) has been opened.
   bool opened(std::size_t file) const { return files_[file].has_value(); }
+  /// Bytes of data read from the files so far (headers not counted): every saved slice read() needed, whole.
+  std::uint64_t bytes_read() const { return bytes_read_; }
 
   /// Elements [lo, hi) of array `a` of layout tensor `tensor` (named `spec`) into `to` (backend memory, hi - lo
   /// elements), through `chunk` (host memory, checkpoint_chunk_bytes, allocated here when first needed; the backend's
@@ -265,6 +267,7 @@ class ShardedCheckpoint {
     const Run run = std::exchange(run_, Run{});
     const SafetensorsFile& f = *files_[run.file];
     f.read(run.file_begin, run.to, static_cast<std::size_t>(run.file_end - run.file_begin));
+    bytes_read_ += run.file_end - run.file_begin;
     for (const SafetensorsFile::Tensor* t : run.slices) {
       const std::uint32_t crc = crc32c(run.to + (t->begin - run.file_begin), t->end - t->begin);
       if (crc != t->crc) mismatch(f, t->name, crc, t->crc);
@@ -347,6 +350,7 @@ class ShardedCheckpoint {
         const auto n = static_cast<std::size_t>(std::min(piece_bytes, bytes - at));
         unsigned char* to = into != nullptr ? into + at : chunk->data();
         f.read(t->begin + at, to, n);
+        bytes_read_ += n;
         crc = crc32c(to, n, crc);
         if (into != nullptr) continue;
         const std::uint64_t c0 = std::max(at, want_begin), c1 = std::min<std::uint64_t>(at + n, want_end);
@@ -389,6 +393,7 @@ class ShardedCheckpoint {
   Plan saved_;
   std::vector<std::optional<SafetensorsFile>> files_;
   std::vector<std::size_t> next_;  ///< per file: the index of the entry after the last one found there
+  std::uint64_t bytes_read_ = 0;
   struct Run {  // slices adjacent in file `file` (bytes [file_begin, file_end)) and in host memory [to, to_end)
     std::size_t file = 0;
     std::uint64_t file_begin = 0, file_end = 0;
