@@ -8,8 +8,16 @@
 // without a target measure the alternatives in the same run: plain launches (/plain_launch,
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
 // (/one_launch), items of 512, 2048 and 4096 elements instead of 1024 (/chunk512, /chunk2048, /chunk4096), plain
-// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8). Data is never zeros. Without a GPU it prints a
-// line and exits 0.
+// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item (/lanes16, /lanes8).
+// Data is never zeros. Without a GPU it prints a line and exits 0.
+//
+// Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
+// the stream is held by a one-thread kernel (StreamHold) while the host enqueues the start event, the work and the end
+// event, and then released, so that the events time the GPU's work and not the host's launch calls (NVBench's blocking
+// kernel does the same). Unheld, the GPU may pass the start event before the host's first launch call returns, while
+// the copies a pass was compared with ran back to back. Pack rows also report x_copy_unheld, that previous measure
+// (each pass alone and unheld, against 20 copies back to back), so that figures stay comparable with earlier runs.
+// step() is timed unheld: an eager step's host work is part of what it costs.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -43,7 +51,8 @@ struct DeviceBytes {
   DeviceBytes(const DeviceBytes&) = delete;
 };
 
-/// Seconds per call of f(), averaged over `reps` calls between two events on `stream`.
+/// Seconds per call of f(), averaged over `reps` calls between two events on `stream`, unheld (the host may still be
+/// enqueuing when the GPU reaches the first event).
 template <class F>
 double event_seconds(cudaStream_t stream, int reps, F&& f) {
   cudaEvent_t a, b;
@@ -60,14 +69,99 @@ double event_seconds(cudaStream_t stream, int reps, F&& f) {
   return ms * 1e-3 / reps;
 }
 
-/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by).
-double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes) {
+/// Spins one thread until the host sets *release, or until `timeout_ns` have passed (then sets *timed_out).
+__global__ void hold_stream(const volatile int* release, volatile int* timed_out, unsigned long long timeout_ns) {
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (*release == 0) {
+    __nanosleep(256);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) {
+      *timed_out = 1;
+      return;
+    }
+  }
+}
+
+/// Holds a stream while the host enqueues what is timed (hold_stream over two flags in mapped pinned memory).
+class StreamHold {
+ public:
+  StreamHold() {
+    void* p = nullptr;
+    TANDEM_CUDA_CHECK(cudaHostAlloc(&p, 2 * sizeof(int), cudaHostAllocMapped));
+    flags_ = static_cast<volatile int*>(p);
+    flags_[0] = 0;
+    flags_[1] = 0;
+    void* d = nullptr;
+    TANDEM_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
+    device_ = static_cast<volatile int*>(d);
+  }
+  ~StreamHold() { cudaFreeHost(const_cast<int*>(flags_)); }
+  StreamHold(const StreamHold&) = delete;
+  StreamHold& operator=(const StreamHold&) = delete;
+
+  void hold(cudaStream_t stream) {
+    flags_[0] = 0;
+    flags_[1] = 0;
+    hold_stream<<<1, 1, 0, stream>>>(device_, device_ + 1, 2'000'000'000ull);  // 2 s: a pass is enqueued in far less
+    TANDEM_CUDA_CHECK(cudaGetLastError());
+  }
+  void release() { flags_[0] = 1; }
+  /// Whether a hold ran out before its release (the pass it preceded was then timed unheld).
+  bool timed_out() const { return flags_[1] != 0; }
+
+ private:
+  volatile int* flags_ = nullptr;   // host view: [0] release, [1] timed out
+  volatile int* device_ = nullptr;  // the same flags, as the device addresses them
+};
+
+StreamHold& stream_hold() {
+  static StreamHold hold;
+  return hold;
+}
+
+/// GPU seconds of one call of f() (its work on `stream`): the stream is held until f() and the end event are enqueued.
+template <class F>
+double held_seconds(cudaStream_t stream, F&& f) {
+  StreamHold& hold = stream_hold();
+  hold.hold(stream);
+  struct Release {
+    StreamHold& h;
+    ~Release() { h.release(); }
+  };
+  double seconds = 0;
+  {
+    const Release release{hold};
+    cudaEvent_t a, b;
+    TANDEM_CUDA_CHECK(cudaEventCreate(&a));
+    TANDEM_CUDA_CHECK(cudaEventCreate(&b));
+    TANDEM_CUDA_CHECK(cudaEventRecord(a, stream));
+    f();
+    TANDEM_CUDA_CHECK(cudaEventRecord(b, stream));
+    hold.release();
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    seconds = ms * 1e-3;
+  }
+  if (hold.timed_out()) tandem::detail::fail("bench_cuda: the stream hold ran out before the pass was enqueued");
+  return seconds;
+}
+
+/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by): 20 copies, each timed held
+/// (`back_to_back` false), or 20 copies back to back between two events, unheld (the previous measure).
+double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes, bool back_to_back = false) {
   DeviceBytes a(bytes), b(bytes);
   const cudaStream_t s = tandem::detail::native(cuda.stream());
   TANDEM_CUDA_CHECK(cudaMemsetAsync(a.p, 1, bytes, s));
-  event_seconds(s, 3, [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); });
-  return event_seconds(s, 20,
-                       [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); });
+  auto copy = [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); };
+  event_seconds(s, 3, copy);
+  if (back_to_back) return event_seconds(s, 20, copy);
+  double total = 0;
+  for (int i = 0; i < 20; ++i) total += held_seconds(s, copy);
+  return total / 20;
 }
 
 const tandem::CudaBackend& backend() {
@@ -184,7 +278,7 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
   one_pass();  // warm up
   double total = 0;
   for (auto _ : state) {
-    const double t = event_seconds(stream, 1, one_pass);
+    const double t = held_seconds(stream, one_pass);
     state.SetIterationTime(t);
     total += t;
   }
@@ -194,6 +288,9 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
   const std::size_t traffic = n * (src + dst);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
   state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+  double unheld = 0;  // the previous measure, for comparison with earlier runs (file comment)
+  for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
+  state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
   state.counters["launches"] = static_cast<double>(s.launches());
 }
 
@@ -232,7 +329,7 @@ void BM_adamw(benchmark::State& state) {
   update();
   double total = 0;
   for (auto _ : state) {
-    const double s = event_seconds(stream, 1, update);
+    const double s = held_seconds(stream, update);
     state.SetIterationTime(s);
     total += s;
   }
