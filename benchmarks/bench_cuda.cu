@@ -17,7 +17,8 @@
 // kernel does the same). Unheld, the GPU may pass the start event before the host's first launch call returns, while
 // the copies a pass was compared with ran back to back. Pack rows also report x_copy_unheld, that previous measure
 // (each pass alone and unheld, against 20 copies back to back), so that figures stay comparable with earlier runs.
-// step() is timed unheld: an eager step's host work is part of what it costs.
+// step() is timed unheld: an eager step's host work is part of what it costs. Under a profiler, which may serialize
+// launches, --unheld times every pass unheld (NVBench's --disable-blocking-kernel).
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -120,9 +121,14 @@ StreamHold& stream_hold() {
   return hold;
 }
 
+/// False with --unheld: every pass is timed unheld. For profilers (Nsight Compute, compute-sanitizer), which may
+/// serialize launches, so that the hold would only run out: NVBench's --disable-blocking-kernel.
+bool hold_streams = true;
+
 /// GPU seconds of one call of f() (its work on `stream`): the stream is held until f() and the end event are enqueued.
 template <class F>
 double held_seconds(cudaStream_t stream, F&& f) {
+  if (!hold_streams) return event_seconds(stream, 1, f);
   StreamHold& hold = stream_hold();
   hold.hold(stream);
   struct Release {
@@ -146,7 +152,10 @@ double held_seconds(cudaStream_t stream, F&& f) {
     cudaEventDestroy(b);
     seconds = ms * 1e-3;
   }
-  if (hold.timed_out()) tandem::detail::fail("bench_cuda: the stream hold ran out before the pass was enqueued");
+  if (hold.timed_out())
+    tandem::detail::fail(
+        "bench_cuda: the stream hold ran out (2 s) before the host had enqueued the pass; under a profiler, which may "
+        "serialize launches, run with --unheld");
   return seconds;
 }
 
@@ -275,22 +284,28 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
         cuda.launch(t.items, body, cuda.stream());
     }
   };
-  one_pass();  // warm up
-  double total = 0;
-  for (auto _ : state) {
-    const double t = held_seconds(stream, one_pass);
-    state.SetIterationTime(t);
-    total += t;
+  try {  // a stream hold that ran out (held_seconds): this row's error
+    // untimed, first
+    one_pass();
+    double total = 0;
+    for (auto _ : state) {
+      const double t = held_seconds(stream, one_pass);
+      state.SetIterationTime(t);
+      total += t;
+    }
+    const std::size_t n = bench::total(s.sizes);
+    const std::size_t src = Direction == PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
+    const std::size_t dst = Direction == PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
+    const std::size_t traffic = n * (src + dst);
+    state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+    double unheld = 0;  // the previous measure, for comparison with earlier runs (file comment)
+    for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
+    state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+    return;
   }
-  const std::size_t n = bench::total(s.sizes);
-  const std::size_t src = Direction == PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
-  const std::size_t dst = Direction == PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
-  const std::size_t traffic = n * (src + dst);
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
-  double unheld = 0;  // the previous measure, for comparison with earlier runs (file comment)
-  for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
-  state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
   state.counters["launches"] = static_cast<double>(s.launches());
 }
 
@@ -326,17 +341,22 @@ void BM_adamw(benchmark::State& state) {
     cuda.launch(tandem::update_items(n),
                 tandem::AdamW::Body<P>{a, static_cast<const tandem::AdamW::Scalars*>(scalars.p)}, cuda.stream());
   };
-  update();
-  double total = 0;
-  for (auto _ : state) {
-    const double s = held_seconds(stream, update);
-    state.SetIterationTime(s);
-    total += s;
+  try {  // a stream hold that ran out (held_seconds): this row's error
+    // untimed, first
+    update();
+    double total = 0;
+    for (auto _ : state) {
+      const double s = held_seconds(stream, update);
+      state.SetIterationTime(s);
+      total += s;
+    }
+    // read grad, master, m, v; write master, m, v (and the 16-bit param)
+    const std::size_t traffic = n * (4 + 4 + 16 + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P)));
+    state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
+    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
   }
-  // read grad, master, m, v; write master, m, v (and the 16-bit param)
-  const std::size_t traffic = n * (4 + 4 + 16 + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P)));
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-  state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
 }
 
 #if TANDEM_BENCH_STEP
@@ -474,6 +494,13 @@ int main(int argc, char** argv) {
     std::printf("bench_cuda: no CUDA device, nothing to measure\n");
     return 0;
   }
+  for (int i = 1; i < argc; ++i)  // --unheld (hold_streams) is ours: taken out before Google Benchmark's flags
+    if (std::string(argv[i]) == "--unheld") {
+      hold_streams = false;
+      for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];
+      --argc;
+      --i;
+    }
   benchmark::Initialize(&argc, argv);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
