@@ -8,7 +8,8 @@
 // without a target measure the alternatives in the same run: plain launches (/plain_launch,
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
 // (/one_launch), items of 512, 2048 and 4096 elements instead of 1024 (/chunk512, /chunk2048, /chunk4096), plain
-// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item (/lanes16, /lanes8).
+// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item (/lanes16, /lanes8),
+// runs after a pass's first that start beside the run before them (/overlap: run_overlapping).
 // Data is never zeros. Without a GPU it prints a line and exits 0.
 //
 // Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
@@ -192,8 +193,9 @@ const tandem::CudaBackend& plain_backend() {
 struct PackVariant {
   std::optional<tandem::RunGrouping> grouping;  ///< none: the step's, for the direction
   std::size_t chunk = tandem::pack_chunk_elements;
-  bool plain = false;  ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
-  bool grid8 = false;  ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
+  bool plain = false;    ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
+  bool grid8 = false;    ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
+  bool overlap = false;  ///< run_overlapping: a pass's later runs start while the run before them ends
   unsigned lanes = tandem::item_lanes;  ///< per item: a warp, or a slot of 16 or 8 threads (several items per warp)
   tandem::RunGrouping runs(PackDirection direction) const {
     return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
@@ -204,10 +206,48 @@ struct PackVariant {
                        : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
                                                                      : "") +
            (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
-           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "") +
+           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") +
            (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
   }
 };
+
+/// detail::run_items for the runs of one pass of packs or unpacks (the /overlap rows), whose runs read and write
+/// disjoint memory: the pass's first run (`first`) waits for the work before it, as every tandem kernel does, and only
+/// then lets the next launch start (griddepcontrol.launch_dependents), so that no later run starts before that work is
+/// done; a later run starts beside the run before it, as that run's blocks end, and waits for it only before each
+/// block exits, so that it ends after it (stream order is kept for whatever follows the pass). What the tail of a
+/// launch costs, in the same run: a pass of 3 runs against one launch (/one_launch) and against runs as launched today.
+template <class Body>
+__global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body body, std::size_t items, bool first) {
+#if __CUDA_ARCH__ >= 900  // before, a launch is never programmatic: nothing to wait for or to let start
+  if (first) asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  constexpr unsigned lanes = tandem::lanes_of<Body>();
+  const unsigned lane = threadIdx.x % lanes;
+  tandem::for_each_item_of_slot(blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes,
+                                [&](std::size_t item) { body(item, lane, lanes); });
+#if __CUDA_ARCH__ >= 900
+  if (!first) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/// A programmatic launch of run_overlapping, as large as CudaBackend::launch would make run_items's.
+template <class Body>
+void launch_overlapping(const tandem::CudaBackend& cuda, std::size_t items, const Body& body, bool first,
+                        cudaStream_t stream) {
+  const tandem::LaunchShape shape = tandem::launch_shape(items, cuda.resident_blocks<Body>(), tandem::lanes_of<Body>());
+  cudaLaunchAttribute programmatic{};
+  programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  programmatic.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(shape.grid);
+  config.blockDim = dim3(shape.block);
+  config.stream = stream;
+  config.attrs = &programmatic;
+  config.numAttrs = 1;
+  TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, run_overlapping<Body>, body, items, first));
+}
 
 /// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
 /// buckets and the resident tables of its runs, built once per (layout, variant, direction, types).
@@ -272,7 +312,9 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
       using Body = tandem::PackBody<UserT, BucketT, Direction>;
       const Body body{items, t.tensors, s.base(k), 1.0f};
-      if (variant.grid8)
+      if (variant.overlap)
+        launch_overlapping(cuda, t.items, body, j == 0, stream);
+      else if (variant.grid8)
         tandem::detail::
             run_items<<<tandem::launch_shape(t.items, cuda.max_blocks()).grid, tandem::block_threads, 0, stream>>>(
                 body, t.items);
@@ -448,7 +490,7 @@ void register_all() {
   // What plain launches, a launch per bucket, one launch over every bucket, larger or smaller items, and 16 or 8 lanes
   // per item (two or four items per warp) give (no target: they say where to go next).
   for (const PackVariant v :
-       {PackVariant{.plain = true}, PackVariant{.grid8 = true},
+       {PackVariant{.plain = true}, PackVariant{.grid8 = true}, PackVariant{.overlap = true},
         PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
         PackVariant{.chunk = 512}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}, PackVariant{.lanes = 16},
         PackVariant{.lanes = 8}})
