@@ -15,11 +15,14 @@
 // Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
 // the stream is held by a one-thread kernel (StreamHold) while the host enqueues the start event, the work and the end
 // event, and then released, so that the events time the GPU's work and not the host's launch calls (NVBench's blocking
-// kernel does the same). Unheld, the GPU may pass the start event before the host's first launch call returns, while
-// the copies a pass was compared with ran back to back. Pack rows also report x_copy_unheld, that previous measure
-// (each pass alone and unheld, against 20 copies back to back), so that figures stay comparable with earlier runs.
-// step() is timed unheld: an eager step's host work is part of what it costs. Under a profiler, which may serialize
-// launches, --unheld times every pass unheld (NVBench's --disable-blocking-kernel).
+// kernel does the same). x_copy is then GPU time against GPU time. A pass of several launches is spared the host's
+// time between them, which a step pays only where its GPU gets ahead of its host (in a step the packs are enqueued
+// while backward runs). Unheld, the GPU may pass the start event before the host's first launch call returns, while
+// the copies a pass was compared with ran back to back. Pack rows also report x_copy_unheld, approximately that
+// previous measure (20 passes alone and unheld, after the timed ones, against 20 copies back to back), for comparison
+// with earlier runs. step() is timed unheld (an eager step's host work is part of what it costs) and divided by the
+// held copy (copies of gigabytes, where a few microseconds of launch are a small share). Under a profiler, which may
+// serialize launches, the flag --unheld times every pass unheld (NVBench's --disable-blocking-kernel).
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -53,33 +56,51 @@ struct DeviceBytes {
   DeviceBytes(const DeviceBytes&) = delete;
 };
 
+/// Two CUDA events, destroyed with it: the start and end of what is timed.
+struct EventPair {
+  cudaEvent_t a = nullptr, b = nullptr;
+  EventPair() {
+    TANDEM_CUDA_CHECK(cudaEventCreate(&a));
+    TANDEM_CUDA_CHECK(cudaEventCreate(&b));
+  }
+  ~EventPair() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+  /// Seconds between the two, once b has been reached.
+  double seconds() const {
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e-3;
+  }
+};
+
 /// Seconds per call of f(), averaged over `reps` calls between two events on `stream`, unheld (the host may still be
 /// enqueuing when the GPU reaches the first event).
 template <class F>
 double event_seconds(cudaStream_t stream, int reps, F&& f) {
-  cudaEvent_t a, b;
-  TANDEM_CUDA_CHECK(cudaEventCreate(&a));
-  TANDEM_CUDA_CHECK(cudaEventCreate(&b));
-  TANDEM_CUDA_CHECK(cudaEventRecord(a, stream));
+  const EventPair e;
+  TANDEM_CUDA_CHECK(cudaEventRecord(e.a, stream));
   for (int i = 0; i < reps; ++i) f();
-  TANDEM_CUDA_CHECK(cudaEventRecord(b, stream));
-  TANDEM_CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms * 1e-3 / reps;
+  TANDEM_CUDA_CHECK(cudaEventRecord(e.b, stream));
+  return e.seconds() / reps;
 }
 
-/// Spins one thread until the host sets *release, or until `timeout_ns` have passed (then sets *timed_out).
-__global__ void hold_stream(const volatile int* release, volatile int* timed_out, unsigned long long timeout_ns) {
+/// Spins one thread until the host has released hold `generation` or a later one (*release), or until `timeout_ns`
+/// have passed (then *timed_out = generation). Generations keep a hold that the host released early (an exception) and
+/// that the GPU reaches late from being held by, or blamed for, the next one.
+__global__ void hold_stream(const volatile unsigned* release, volatile unsigned* timed_out, unsigned generation,
+                            unsigned long long timeout_ns) {
   unsigned long long start = 0, now = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  while (*release == 0) {
+  while (*release < generation) {
     __nanosleep(256);
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (now - start > timeout_ns) {
-      *timed_out = 1;
+      *timed_out = generation;
       return;
     }
   }
@@ -90,31 +111,33 @@ class StreamHold {
  public:
   StreamHold() {
     void* p = nullptr;
-    TANDEM_CUDA_CHECK(cudaHostAlloc(&p, 2 * sizeof(int), cudaHostAllocMapped));
-    flags_ = static_cast<volatile int*>(p);
+    TANDEM_CUDA_CHECK(cudaHostAlloc(&p, 2 * sizeof(unsigned), cudaHostAllocMapped));
+    flags_ = static_cast<volatile unsigned*>(p);
     flags_[0] = 0;
     flags_[1] = 0;
     void* d = nullptr;
     TANDEM_CUDA_CHECK(cudaHostGetDevicePointer(&d, p, 0));
-    device_ = static_cast<volatile int*>(d);
+    device_ = static_cast<volatile unsigned*>(d);
   }
-  ~StreamHold() { cudaFreeHost(const_cast<int*>(flags_)); }
+  ~StreamHold() { cudaFreeHost(const_cast<unsigned*>(flags_)); }
   StreamHold(const StreamHold&) = delete;
   StreamHold& operator=(const StreamHold&) = delete;
 
+  /// Holds `stream` from here on (a new generation), until release().
   void hold(cudaStream_t stream) {
-    flags_[0] = 0;
-    flags_[1] = 0;
-    hold_stream<<<1, 1, 0, stream>>>(device_, device_ + 1, 2'000'000'000ull);  // 2 s: a pass is enqueued in far less
+    ++generation_;
+    // 2 s: far more than any pass takes to enqueue
+    hold_stream<<<1, 1, 0, stream>>>(device_, device_ + 1, generation_, 2'000'000'000ull);
     TANDEM_CUDA_CHECK(cudaGetLastError());
   }
-  void release() { flags_[0] = 1; }
-  /// Whether a hold ran out before its release (the pass it preceded was then timed unheld).
-  bool timed_out() const { return flags_[1] != 0; }
+  void release() { flags_[0] = generation_; }
+  /// Whether the last hold ran out before its release (what followed it was then timed unheld).
+  bool timed_out() const { return flags_[1] == generation_; }
 
  private:
-  volatile int* flags_ = nullptr;   // host view: [0] release, [1] timed out
-  volatile int* device_ = nullptr;  // the same flags, as the device addresses them
+  volatile unsigned* flags_ = nullptr;   // host view: [0] the last generation released, [1] the last that ran out
+  volatile unsigned* device_ = nullptr;  // the same flags, as the device addresses them
+  unsigned generation_ = 0;
 };
 
 StreamHold& stream_hold() {
@@ -131,28 +154,19 @@ template <class F>
 double held_seconds(cudaStream_t stream, F&& f) {
   if (!hold_streams) return event_seconds(stream, 1, f);
   StreamHold& hold = stream_hold();
+  const EventPair e;
   hold.hold(stream);
-  struct Release {
+  struct Release {  // also where f() throws: the GPU must not wait out the timeout
     StreamHold& h;
     ~Release() { h.release(); }
   };
-  double seconds = 0;
   {
     const Release release{hold};
-    cudaEvent_t a, b;
-    TANDEM_CUDA_CHECK(cudaEventCreate(&a));
-    TANDEM_CUDA_CHECK(cudaEventCreate(&b));
-    TANDEM_CUDA_CHECK(cudaEventRecord(a, stream));
+    TANDEM_CUDA_CHECK(cudaEventRecord(e.a, stream));
     f();
-    TANDEM_CUDA_CHECK(cudaEventRecord(b, stream));
-    hold.release();
-    TANDEM_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    seconds = ms * 1e-3;
+    TANDEM_CUDA_CHECK(cudaEventRecord(e.b, stream));
   }
+  const double seconds = e.seconds();
   if (hold.timed_out())
     tandem::detail::fail(
         "bench_cuda: the stream hold ran out (2 s) before the host had enqueued the pass; under a profiler, which may "
@@ -160,8 +174,9 @@ double held_seconds(cudaStream_t stream, F&& f) {
   return seconds;
 }
 
-/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by): 20 copies, each timed held
-/// (`back_to_back` false), or 20 copies back to back between two events, unheld (the previous measure).
+/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by): the mean of 200 copies, each
+/// timed held (`back_to_back` false; as many as make the events' half-microsecond resolution small against a copy of
+/// a few microseconds), or 20 copies back to back between two events, unheld (the previous measure).
 double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes, bool back_to_back = false) {
   DeviceBytes a(bytes), b(bytes);
   const cudaStream_t s = tandem::detail::native(cuda.stream());
@@ -170,8 +185,8 @@ double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes, bool bac
   event_seconds(s, 3, copy);
   if (back_to_back) return event_seconds(s, 20, copy);
   double total = 0;
-  for (int i = 0; i < 20; ++i) total += held_seconds(s, copy);
-  return total / 20;
+  for (int i = 0; i < 200; ++i) total += held_seconds(s, copy);
+  return total / 200;
 }
 
 const tandem::CudaBackend& backend() {
@@ -245,7 +260,7 @@ void launch_overlapping(const tandem::CudaBackend& cuda, std::size_t items, cons
   config.blockDim = dim3(shape.block);
   config.stream = stream;
   config.attrs = &programmatic;
-  config.numAttrs = 1;
+  config.numAttrs = cuda.programmatic() ? 1 : 0;  // where launch() is plain, so is this: the rows equal the plain ones
   TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, run_overlapping<Body>, body, items, first));
 }
 
@@ -341,7 +356,7 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
     const std::size_t traffic = n * (src + dst);
     state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
     state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
-    double unheld = 0;  // the previous measure, for comparison with earlier runs (file comment)
+    double unheld = 0;  // approximately the previous measure, for comparison with earlier runs (file comment)
     for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
     state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
   } catch (const std::exception& e) {

@@ -307,6 +307,8 @@ class CudaBackend {
   /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
   /// / block_threads).
   unsigned max_blocks() const { return max_blocks_; }
+  /// Whether launch() launches programmatically (CudaBackendOptions::programmatic_launch, on a 9.0 or newer device).
+  bool programmatic() const { return programmatic_; }
   /// tandem's work stream: packs, updates, unpacks, allocations and frees are ordered on it.
   Stream stream() const { return stream_; }
   /// tandem's comm stream, which the backend creates (non-blocking) and owns: DataParallel runs its gradient
