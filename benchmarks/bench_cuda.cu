@@ -174,6 +174,19 @@ double held_seconds(cudaStream_t stream, F&& f) {
   return seconds;
 }
 
+/// Runs f() once untimed, then once per iteration of `state`, each timed held (its manual time); the mean seconds.
+template <class F>
+double timed_iterations(benchmark::State& state, cudaStream_t stream, F&& f) {
+  f();
+  double total = 0;
+  for (auto _ : state) {
+    const double t = held_seconds(stream, f);
+    state.SetIterationTime(t);
+    total += t;
+  }
+  return total / static_cast<double>(state.iterations());
+}
+
 /// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by): the mean of 200 copies, each
 /// timed held (`back_to_back` false; as many as make the events' half-microsecond resolution small against a copy of
 /// a few microseconds), or 20 copies back to back between two events, unheld (the previous measure).
@@ -247,21 +260,14 @@ __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body bo
 #endif
 }
 
-/// A programmatic launch of run_overlapping, as large as CudaBackend::launch would make run_items's.
+/// A launch of run_overlapping as CudaBackend::launch would launch run_items: as large, and programmatic where it is
+/// (where not, the rows are the plain ones).
 template <class Body>
 void launch_overlapping(const tandem::CudaBackend& cuda, std::size_t items, const Body& body, bool first,
                         cudaStream_t stream) {
-  const tandem::LaunchShape shape = tandem::launch_shape(items, cuda.resident_blocks<Body>(), tandem::lanes_of<Body>());
-  cudaLaunchAttribute programmatic{};
-  programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  programmatic.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(shape.grid);
-  config.blockDim = dim3(shape.block);
-  config.stream = stream;
-  config.attrs = &programmatic;
-  config.numAttrs = cuda.programmatic() ? 1 : 0;  // where launch() is plain, so is this: the rows equal the plain ones
-  TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, run_overlapping<Body>, body, items, first));
+  tandem::detail::launch_kernel(run_overlapping<Body>,
+                                tandem::launch_shape(items, cuda.resident_blocks<Body>(), tandem::lanes_of<Body>()),
+                                stream, cuda.programmatic(), body, items, first);
 }
 
 /// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
@@ -342,20 +348,13 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
     }
   };
   try {  // a stream hold that ran out (held_seconds): this row's error
-    // untimed, first
-    one_pass();
-    double total = 0;
-    for (auto _ : state) {
-      const double t = held_seconds(stream, one_pass);
-      state.SetIterationTime(t);
-      total += t;
-    }
+    const double mean = timed_iterations(state, stream, one_pass);
     const std::size_t n = bench::total(s.sizes);
     const std::size_t src = Direction == PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
     const std::size_t dst = Direction == PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
     const std::size_t traffic = n * (src + dst);
     state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / mean;
     double unheld = 0;  // approximately the previous measure, for comparison with earlier runs (file comment)
     for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
     state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
@@ -399,18 +398,11 @@ void BM_adamw(benchmark::State& state) {
                 tandem::AdamW::Body<P>{a, static_cast<const tandem::AdamW::Scalars*>(scalars.p)}, cuda.stream());
   };
   try {  // a stream hold that ran out (held_seconds): this row's error
-    // untimed, first
-    update();
-    double total = 0;
-    for (auto _ : state) {
-      const double s = held_seconds(stream, update);
-      state.SetIterationTime(s);
-      total += s;
-    }
+    const double mean = timed_iterations(state, stream, update);
     // read grad, master, m, v; write master, m, v (and the 16-bit param)
     const std::size_t traffic = n * (4 + 4 + 16 + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P)));
     state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / (total / static_cast<double>(state.iterations()));
+    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / mean;
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
   }

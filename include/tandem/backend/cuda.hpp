@@ -108,6 +108,24 @@ TANDEM_KERNEL void __launch_bounds__(block_threads) sum_items(Body body, std::si
   });
 }
 
+/// kernel<<<shape, stream>>>(args...), with programmatic stream serialization where `programmatic`
+/// (CudaBackend::launch: the kernel may start while the one before it on the stream ends, and waits for it with
+/// griddepcontrol.wait).
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), LaunchShape shape, cudaStream_t stream, bool programmatic,
+                   Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(shape.grid);
+  config.blockDim = dim3(shape.block);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 }  // namespace detail
 
 /// An owning, typed device allocation, freed in order on the stream it was allocated on, with its device current.
@@ -357,22 +375,8 @@ class CudaBackend {
     const cudaStream_t s = detail::native(stream);
     if (items == 0) return;
     const detail::CudaDeviceGuard guard(device_);
-    const LaunchShape shape = launch_shape(items, resident_blocks<Body>(), lanes_of<Body>());
-    if (!programmatic_) {
-      detail::run_items<Body><<<shape.grid, shape.block, 0, s>>>(body, items);
-      TANDEM_CUDA_CHECK(cudaGetLastError());
-      return;
-    }
-    cudaLaunchAttribute programmatic{};
-    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    programmatic.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(shape.grid);
-    config.blockDim = dim3(shape.block);
-    config.stream = s;
-    config.attrs = &programmatic;
-    config.numAttrs = 1;
-    TANDEM_CUDA_CHECK(cudaLaunchKernelEx(&config, detail::run_items<Body>, body, items));
+    detail::launch_kernel(detail::run_items<Body>, launch_shape(items, resident_blocks<Body>(), lanes_of<Body>()), s,
+                          programmatic_, body, items);
   }
 
   /// *out (device memory) = the sum over items of body(item, ...) (a double per item), deterministically. Allocates
