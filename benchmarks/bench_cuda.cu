@@ -243,8 +243,9 @@ struct PackVariant {
 /// disjoint memory: the pass's first run (`first`) waits for the work before it, as every tandem kernel does, and only
 /// then lets the next launch start (griddepcontrol.launch_dependents), so that no later run starts before that work is
 /// done; a later run starts beside the run before it, as that run's blocks end, and waits for it only before each
-/// block exits, so that it ends after it (stream order is kept for whatever follows the pass). What the tail of a
-/// launch costs, in the same run: a pass of 3 runs against one launch (/one_launch) and against runs as launched today.
+/// block exits, so that it ends after it (stream order is kept for whatever follows the pass). What the gaps between a
+/// pass's launches cost, in the same run: a pass of 3 runs against one launch (/one_launch) and against runs as
+/// launched today.
 template <class Body>
 __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body body, std::size_t items, bool first) {
 #if __CUDA_ARCH__ >= 900  // before, a launch is never programmatic: nothing to wait for or to let start
