@@ -187,19 +187,23 @@ double timed_iterations(benchmark::State& state, cudaStream_t stream, F&& f) {
   return total / static_cast<double>(state.iterations());
 }
 
-/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by): the mean of 200 copies, each
-/// timed held (`back_to_back` false; as many as make the events' half-microsecond resolution small against a copy of
-/// a few microseconds), or 20 copies back to back between two events, unheld (the previous measure).
-double copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes, bool back_to_back = false) {
+/// Seconds of a device-to-device copy of `bytes` (the ceiling every figure is divided by), two ways: `held`, the mean
+/// of 200 copies each timed held (as many as make the events' half-microsecond resolution small against a copy of a
+/// few microseconds), and `back_to_back`, 20 copies between two events, unheld (the previous measure).
+struct CopyTimes {
+  double held = 0, back_to_back = 0;
+};
+CopyTimes copy_seconds(const tandem::CudaBackend& cuda, std::size_t bytes) {
   DeviceBytes a(bytes), b(bytes);
   const cudaStream_t s = tandem::detail::native(cuda.stream());
   TANDEM_CUDA_CHECK(cudaMemsetAsync(a.p, 1, bytes, s));
   auto copy = [&] { TANDEM_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s)); };
   event_seconds(s, 3, copy);
-  if (back_to_back) return event_seconds(s, 20, copy);
-  double total = 0;
-  for (int i = 0; i < 200; ++i) total += held_seconds(s, copy);
-  return total / 200;
+  CopyTimes t;
+  t.back_to_back = event_seconds(s, 20, copy);
+  for (int i = 0; i < 200; ++i) t.held += held_seconds(s, copy);
+  t.held /= 200;
+  return t;
 }
 
 const tandem::CudaBackend& backend() {
@@ -252,10 +256,7 @@ __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body bo
   if (first) asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  constexpr unsigned lanes = tandem::lanes_of<Body>();
-  const unsigned lane = threadIdx.x % lanes;
-  tandem::for_each_item_of_slot(blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes,
-                                [&](std::size_t item) { body(item, lane, lanes); });
+  tandem::detail::run_slot_items(body, items);
 #if __CUDA_ARCH__ >= 900
   if (!first) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -355,10 +356,11 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
     const std::size_t dst = Direction == PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
     const std::size_t traffic = n * (src + dst);
     state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / mean;
+    const CopyTimes copy = copy_seconds(cuda, traffic / 2);
+    state.counters["x_copy"] = copy.held / mean;
     double unheld = 0;  // approximately the previous measure, for comparison with earlier runs (file comment)
     for (int i = 0; i < 20; ++i) unheld += event_seconds(stream, 1, one_pass);
-    state.counters["x_copy_unheld"] = copy_seconds(cuda, traffic / 2, true) / (unheld / 20);
+    state.counters["x_copy_unheld"] = copy.back_to_back / (unheld / 20);
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
     return;
@@ -403,7 +405,7 @@ void BM_adamw(benchmark::State& state) {
     // read grad, master, m, v; write master, m, v (and the 16-bit param)
     const std::size_t traffic = n * (4 + 4 + 16 + 4 + (std::is_same_v<P, float> ? 0 : sizeof(P)));
     state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2) / mean;
+    state.counters["x_copy"] = copy_seconds(cuda, traffic / 2).held / mean;
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
   }
@@ -474,7 +476,8 @@ void BM_step(benchmark::State& state, const std::string& layout, bool graph, boo
   }
   const std::size_t traffic = bench::total(sizes) * (8 + 28 + 8);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * traffic));
-  state.counters["x_copy"] = copy_seconds(backend(), traffic / 2) / (total / static_cast<double>(state.iterations()));
+  state.counters["x_copy"] =
+      copy_seconds(backend(), traffic / 2).held / (total / static_cast<double>(state.iterations()));
 }
 #endif
 

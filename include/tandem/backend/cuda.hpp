@@ -77,6 +77,16 @@ namespace tandem {
 
 namespace detail {
 
+/// This thread's part of a launch of Body over `items`: body(item, lane, lanes) for each item its slot of
+/// lanes_of<Body>() threads visits (for_each_item_of_slot).
+template <class Body>
+__device__ void run_slot_items(const Body& body, std::size_t items) {
+  constexpr unsigned lanes = lanes_of<Body>();
+  const unsigned lane = threadIdx.x % lanes;
+  for_each_item_of_slot(blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes,
+                        [&](std::size_t item) { body(item, lane, lanes); });
+}
+
 /// The launch wrapper of every kernel body: forwards (block, slot, thread) to body(item, lane, lanes), lanes_of<Body>()
 /// threads (a warp, unless the body says) per item. __launch_bounds__: every launch uses block_threads threads, which
 /// the compiler allocates registers for.
@@ -90,10 +100,7 @@ TANDEM_KERNEL void __launch_bounds__(block_threads) run_items(Body body, std::si
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  constexpr unsigned lanes = lanes_of<Body>();
-  const unsigned lane = threadIdx.x % lanes;
-  for_each_item_of_slot(blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes,
-                        [&](std::size_t item) { body(item, lane, lanes); });
+  run_slot_items(body, items);
 }
 
 /// item_sums[item] = the sum over the block's lanes of body(item, lane, lanes), a fixed reduction tree.
