@@ -7,9 +7,9 @@
 // pack/unpack x_copy >= 0.9 on GPT-2, AdamW x_copy >= 0.85, step() at most 1.2x its floor (x_copy >= 0.83). Rows
 // without a target measure the alternatives in the same run: plain launches (/plain_launch,
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
-// (/one_launch), items of 512, 2048 and 4096 elements instead of 1024 (/chunk512, /chunk2048, /chunk4096), plain
-// launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item (/lanes16, /lanes8),
-// runs after a pass's first that start beside the run before them (/overlap: run_overlapping).
+// (/one_launch), items of 1024, 2048 and 4096 elements instead of CudaBackend's 512 (/chunk1024, /chunk2048,
+// /chunk4096), plain launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item
+// (/lanes16, /lanes8), runs after a pass's first that start beside the run before them (/overlap: run_overlapping).
 // Data is never zeros. Without a GPU it prints a line and exits 0.
 //
 // Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
@@ -224,7 +224,8 @@ const tandem::CudaBackend& plain_backend() {
 /// one rank the packs are one run: /one_launch).
 struct PackVariant {
   std::optional<tandem::RunGrouping> grouping;  ///< none: the step's, for the direction
-  std::size_t chunk = tandem::pack_chunk_elements;
+  /// Elements per item: CudaBackend's unless said.
+  std::size_t chunk = tandem::CudaBackend::pack_table_layout.chunk_elements;
   bool plain = false;    ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
   bool grid8 = false;    ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
   bool overlap = false;  ///< run_overlapping: a pass's later runs start while the run before them ends
@@ -237,8 +238,8 @@ struct PackVariant {
     return std::string(grouping == tandem::RunGrouping::one          ? "/one_launch"
                        : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
                                                                      : "") +
-           (chunk == tandem::pack_chunk_elements ? "" : "/chunk" + std::to_string(chunk)) +
-           (plain ? "/plain_launch" : "") + (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") +
+           (chunk == PackVariant{}.chunk ? "" : "/chunk" + std::to_string(chunk)) + (plain ? "/plain_launch" : "") +
+           (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") +
            (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
   }
 };
@@ -503,11 +504,11 @@ void register_all() {
   for (const PackVariant v :
        {PackVariant{.plain = true}, PackVariant{.grid8 = true}, PackVariant{.overlap = true},
         PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
-        PackVariant{.chunk = 512}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}, PackVariant{.lanes = 16},
+        PackVariant{.chunk = 1024}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}, PackVariant{.lanes = 16},
         PackVariant{.lanes = 8}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
-      if (l != "gpt2" && v.chunk != tandem::pack_chunk_elements) continue;  // 1 KB tensors are one item either way
+      if (l != "gpt2" && v.chunk != PackVariant{}.chunk) continue;  // 1 KB tensors are one item either way
       benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l + v.suffix()).c_str(),
                                    BM_pack<float, float, PackDirection::to_bucket>, l, v)
           ->UseManualTime()

@@ -38,22 +38,31 @@ bool same_bits(T a, T b) {
 static_assert(sizeof(tandem::PackBody<float, float, PackDirection::to_bucket>) <= 48);
 static_assert(sizeof(tandem::PackBody<BFloat16, float, PackDirection::to_bucket, tandem::WriteMode::accumulate>) <= 48);
 
-// The item table of one bucket covers each tensor exactly once, in chunks of at most pack_chunk_elements:
-// a tensor gets ceil(numel / chunk) blocks, in proportion to its bytes.
-void check_items(const tandem::PackTable& t) {
+// The host backend with CudaBackend's pack tables (512-element items, one list): the tables the emulated launches
+// read are the device's.
+struct CudaTables : tandem::HostBackend {
+  static constexpr tandem::PackTableLayout pack_table_layout = tandem::cuda_pack_table_layout;
+};
+constexpr std::size_t cuda_chunk = tandem::cuda_pack_table_layout.chunk_elements;
+static_assert(!tandem::ResidentPackTables<CudaTables>::both_orders &&
+              tandem::ResidentPackTables<tandem::HostBackend>::both_orders);
+
+// The item table of one bucket covers each tensor exactly once, in chunks of at most `chunk` elements:
+// a tensor gets ceil(numel / chunk) items, in proportion to its bytes.
+void check_items(const tandem::PackTable& t, std::size_t chunk) {
   for (const auto* items : {&t.reading_user, &t.reading_bucket}) {
     std::vector<std::size_t> covered(t.tensors.size(), 0), count(t.tensors.size(), 0);
     for (const tandem::PackItem& it : *items) {
       REQUIRE(it.tensor < t.tensors.size());
       REQUIRE(it.begin == covered[it.tensor]);  // ascending, no gap, no overlap
       REQUIRE(it.count > 0);
-      REQUIRE(it.count <= tandem::pack_chunk_elements);
+      REQUIRE(it.count <= chunk);
       covered[it.tensor] += it.count;
       ++count[it.tensor];
     }
     for (std::size_t k = 0; k < t.tensors.size(); ++k) {
       REQUIRE(covered[k] == t.tensors[k].numel);
-      REQUIRE(count[k] == (t.tensors[k].numel + tandem::pack_chunk_elements - 1) / tandem::pack_chunk_elements);
+      REQUIRE(count[k] == (t.tensors[k].numel + chunk - 1) / chunk);
     }
   }
 }
@@ -68,7 +77,7 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
   o.alignment_elements = 16 / std::min(sizeof(UserT), sizeof(BucketT));
   o.shard_alignment_elements = 128 / std::min(sizeof(UserT), sizeof(BucketT));
   const tandem::Plan plan(sizes, o);
-  const tandem::HostBackend backend;
+  const CudaTables backend;
   const float scale = 0.5f;
   std::size_t launches = 0;
   for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
@@ -89,11 +98,14 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
       for (std::size_t e = 0; e < sizes[i]; ++e)
         arena.data()[at[i] + e] = UserT(static_cast<float>(static_cast<int>((e * 31 + i * 7) % 255) - 127) / 64.0f);
     }
-    const tandem::PackTable table = tandem::make_pack_table(plan, b, pointers);
-    check_items(table);
-    const tandem::ResidentPackTables<tandem::HostBackend> resident(backend, {table}, {});
+    const tandem::PackTable table = tandem::make_pack_table(plan, b, pointers, cuda_chunk);
+    check_items(table, cuda_chunk);
+    const tandem::ResidentPackTables<CudaTables> resident(backend, {table}, {});
     const tandem::PackTableView& t = resident[0];
     REQUIRE(t.items == table.size());
+    REQUIRE(t.reading_user == t.reading_bucket);  // one list, both directions
+    REQUIRE(resident.bytes() ==
+            table.size() * sizeof(tandem::PackItem) + table.tensors.size() * sizeof(tandem::PackTensor));
 
     // pack: one launch; the bucket is poisoned first, gaps and padding must stay poisoned.
     tandem::HostBuffer<BucketT> flat(bucket.size);
@@ -215,9 +227,14 @@ TEST_CASE("bucket runs: the first run issued is one bucket, each later one run_g
   CHECK(tandem::BucketRuns(18, RunGrouping::from_first).runs.size() == 3);  // GPT-2-124M's 18 buckets: 1 + 4 + 13
 }
 
-TEST_CASE("a run's table packs and unpacks its buckets in one launch, and any one of them alone (a slice)") {
-  // Random layouts of many buckets; each run's table, launched whole and bucket by bucket, against a plain loop over
-  // the plan. Outputs are poisoned: a launch writes exactly its buckets' tensors.
+namespace {
+
+// Random layouts of many buckets; each run's table, launched whole and bucket by bucket, against a plain loop over
+// the plan. Outputs are poisoned: a launch writes exactly its buckets' tensors. The tables are Backend's
+// (pack_table_layout_of): the host's two lists of 1024-element items, or CUDA's one list of 512.
+template <class Backend>
+void check_runs() {
+  constexpr std::size_t chunk = tandem::pack_table_layout_of<Backend>().chunk_elements;
   std::mt19937 rng(77);
   for (int trial = 0; trial < 6; ++trial) {
     CAPTURE(trial);
@@ -239,16 +256,16 @@ TEST_CASE("a run's table packs and unpacks its buckets in one launch, and any on
         user[i].push_back(std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng));
       pointers.push_back(user[i].data());
     }
-    const tandem::HostBackend backend;
+    const Backend backend;
     const float poison = std::nanf("");
     for (const tandem::RunGrouping g : {tandem::RunGrouping::from_first, tandem::RunGrouping::from_last}) {
       const tandem::BucketRuns runs(plan.num_buckets(), g);
       std::vector<tandem::PackTable> tables;
       for (const tandem::Range& run : runs.runs) {
-        tables.push_back(tandem::make_pack_table(plan, run, pointers));
-        check_items(tables.back());
+        tables.push_back(tandem::make_pack_table(plan, run, pointers, chunk));
+        check_items(tables.back(), chunk);
       }
-      const tandem::ResidentPackTables<tandem::HostBackend> resident(backend, tables, {});
+      const tandem::ResidentPackTables<Backend> resident(backend, tables, {});
       for (std::size_t k = 0; k < runs.runs.size(); ++k) {
         const tandem::Range run = runs.runs[k];
         const std::size_t origin = plan.bucket(run.begin).offset;
@@ -291,4 +308,11 @@ TEST_CASE("a run's table packs and unpacks its buckets in one launch, and any on
       }
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("a run's table packs and unpacks its buckets in one launch, and any one of them alone (a slice)") {
+  SUBCASE("the host's tables: two lists of 1024-element items") { check_runs<tandem::HostBackend>(); }
+  SUBCASE("CUDA's tables: one list of 512-element items") { check_runs<CudaTables>(); }
 }

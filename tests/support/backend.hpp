@@ -2,7 +2,7 @@
 // The backend the DataParallel suite runs on. Each suite file is built twice (tests/CMakeLists.txt): as test_<x>
 // on HostBackend (work runs in call order), and as test_<x>_streams with TANDEM_TEST_STREAMS on StreamHostBackend,
 // where tandem's work and comm streams are worker threads with random delays before each operation (ctest label
-// `streams`).
+// `streams`), and the pack tables are CudaBackend's (one list of 512-element items), so that the suite runs both.
 // The delays are taken from the environment, so that CI can run the suite under several seeds unchanged:
 //   TANDEM_STREAMS_SEED          the seed (default 1)
 //   TANDEM_STREAMS_MAX_DELAY_US  the longest delay in microseconds (default 50; 0: none)
@@ -31,8 +31,9 @@ inline tandem::HostStreamOptions stream_delays() {
           .seed = env_number("TANDEM_STREAMS_SEED", 1)};
 }
 
-/// StreamHostBackend with the environment's delays on its work and comm streams.
+/// StreamHostBackend with the environment's delays on its work and comm streams, and CudaBackend's pack tables.
 struct DelayedStreamBackend : tandem::StreamHostBackend {
+  static constexpr tandem::PackTableLayout pack_table_layout = tandem::cuda_pack_table_layout;
   DelayedStreamBackend()
       : tandem::StreamHostBackend({.work_stream = stream_delays(), .comm_stream = stream_delays()}) {}
 };

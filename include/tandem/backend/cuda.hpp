@@ -250,6 +250,8 @@ class CudaBackend {
 
   /// Whether buffers are host memory (the host can read them without a copy).
   static constexpr bool host_memory = false;
+  /// The pack tables a launch reads (kernels/pack.hpp): 512-element items, one list.
+  static constexpr PackTableLayout pack_table_layout = cuda_pack_table_layout;
 
   CudaBackend() : CudaBackend(CudaBackendOptions{}) {}
   explicit CudaBackend(CudaBackendOptions options)
@@ -312,7 +314,7 @@ class CudaBackend {
   /// The blocks of Body's kernel the device keeps resident at once: its SMs x the blocks of it one SM holds (its
   /// occupancy: registers, threads), at most max_blocks(). launch() uses no more, so that a launch is one wave whose
   /// blocks stride to the end together: a grid larger than that leaves its last blocks to start as others end, and
-  /// the launch's end with fewer warps in flight (the pack kernels keep 5 or 6 blocks of 256 threads per SM, not 8).
+  /// the launch's end with fewer warps in flight (the fp32 pack kernels keep 5 or 6 blocks per SM, not 8).
   /// Asked of the runtime once per kernel and device (cudaOccupancyMaxActiveBlocksPerMultiprocessor), kept after.
   template <class Body>
   unsigned resident_blocks() const {

@@ -10,9 +10,9 @@
 // a block per item keeps every lane busy on small items (a 1 KB tensor is 64 vectors: a block would leave three
 // quarters of its threads idle) and needs no synchronisation inside a block. A reduction (CudaBackend::sum_to) gives
 // each item a block instead, whose lanes reduce together: block b walks items b, b + grid, .... The grid is at most
-// max_blocks blocks (the device's resident blocks, CudaBackend::max_blocks): further items are reached by the
-// grid-stride loop. On the host one lane does the whole item (lane 0 of 1), items in linear order, which is
-// cache-friendly and vectorizable.
+// max_blocks blocks (on CUDA the blocks of that kernel the device keeps resident, CudaBackend::resident_blocks; SMs x 8
+// for a reduction, CudaBackend::max_blocks): further items are reached by the grid-stride loop. On the host one lane
+// does the whole item (lane 0 of 1), items in linear order, which is cache-friendly and vectorizable.
 #pragma once
 
 #include <algorithm>
@@ -50,6 +50,31 @@ template <class Body, unsigned Lanes>
 struct WithItemLanes : Body {
   static constexpr unsigned item_lanes = Lanes;
 };
+/// How a backend's launches want their pack tables (kernels/pack.hpp): the work items' size, and whether a launch
+/// visits its items in list order. A backend says so with `static constexpr PackTableLayout pack_table_layout`;
+/// pack_table_layout_of<Backend>() is the host's where it does not.
+struct PackTableLayout {
+  /// Elements per item (a multiple of 16, every vector group): a tensor of n elements is ceil(n / chunk) items.
+  std::size_t chunk_elements = 1024;
+  /// True where a launch visits its items in list order (the host: one thread, item after item), so that the pack
+  /// reads the user's buffers at ascending addresses, which the hardware prefetches: the tables keep a second item
+  /// list in that order (PackTable::reading_user). False where a launch runs its items at once: one list serves both
+  /// directions, half the table memory.
+  bool ordered = true;
+};
+/// CudaBackend's: items of 512 elements, one list. On an H200, 512-element items packed and unpacked GPT-2-124M's
+/// buckets in runs at 0.885 / 0.894 of a device copy, against 0.877 / 0.881 with 1024 (docs/cuda.md); in one list a
+/// table takes what 1024-element items took in two: 32 bytes per 1024 elements.
+inline constexpr PackTableLayout cuda_pack_table_layout{.chunk_elements = 512, .ordered = false};
+/// Backend's PackTableLayout: Backend::pack_table_layout where it declares one, else the host's.
+template <class Backend>
+constexpr PackTableLayout pack_table_layout_of() {
+  if constexpr (requires { Backend::pack_table_layout; })
+    return Backend::pack_table_layout;
+  else
+    return PackTableLayout{};
+}
+
 /// Threads a CUDA multiprocessor keeps resident at once (sm_80 and sm_90): a launch of more blocks than the device's
 /// SMs x resident_threads_per_sm / block_threads runs in more than one wave.
 inline constexpr unsigned resident_threads_per_sm = 2048;

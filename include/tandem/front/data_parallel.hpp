@@ -1477,8 +1477,9 @@ class DataParallel {
     }
     const std::size_t n = plan_.num_buckets();
     std::vector<PackTable> param_tables, grad_tables;  // a table per run (plan_runs)
-    for (const Range& run : param_runs_.runs) param_tables.push_back(make_pack_table(plan_, run, params));
-    for (const Range& run : grad_runs_.runs) grad_tables.push_back(make_pack_table(plan_, run, grads));
+    const std::size_t chunk = pack_table_layout_of<Backend>().chunk_elements;
+    for (const Range& run : param_runs_.runs) param_tables.push_back(make_pack_table(plan_, run, params, chunk));
+    for (const Range& run : grad_runs_.runs) grad_tables.push_back(make_pack_table(plan_, run, grads, chunk));
     // Built once, kept in backend memory: a step launches with three pointers per run and copies nothing.
     param_tables_ = ResidentPackTables<Backend>(backend_, param_tables, work_stream());
     grad_tables_ = ResidentPackTables<Backend>(backend_, grad_tables, work_stream());

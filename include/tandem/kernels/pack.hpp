@@ -3,9 +3,10 @@
 // buffers and the bucket's flat storage, fused with a scale and a dtype cast.
 //
 // Layout: the bucket is one flat array; tensor k of the bucket sits at tensors[k].offset (16-byte aligned,
-// see core/plan.hpp). Work items are chunks of at most `chunk_elements` elements of one tensor (the jagged
-// grid: a tensor gets blocks in proportion to its size), listed once at plan time in `items`, so a step does
-// no host work beyond the launch, has no kernel-parameter limit, and the tables can live in device memory.
+// see core/plan.hpp). Work items are chunks of at most `chunk_elements` elements of one tensor (the backend's,
+// PackTableLayout; the jagged grid: a tensor gets warps in proportion to its size), listed once at plan time in
+// `items`, so a step does no host work beyond the launch, has no kernel-parameter limit, and the tables can live in
+// device memory.
 // Each item is a cast_segment (kernels/vector.hpp): 16-byte vectors with scalar head and tail, the product with the
 // scale rounded before it is accumulated (the rounding rule, kernels/detail/rounding.hpp).
 //
@@ -28,9 +29,6 @@
 #include "tandem/kernels/vector.hpp"
 
 namespace tandem {
-
-/// Elements per pack work item: 16 KiB of fp32, a multiple of every vector group.
-inline constexpr std::size_t pack_chunk_elements = 1024;
 
 enum class PackDirection { to_bucket, from_bucket };
 
@@ -106,8 +104,9 @@ struct BucketRuns {
 /// Both item lists hold the same items; only the order differs, so that a host launch reads memory at ascending
 /// addresses (which the hardware prefetches): `reading_bucket` in bucket order (for unpack), `reading_user` with the
 /// tensors in layout order, as users usually allocate them (for pack). Chunks of one tensor stay ascending in both.
-/// On CUDA either will do. Each bucket's items are contiguous in both lists, so one bucket of the run can be launched
-/// alone (ResidentPackTables::slice).
+/// A backend whose launches run their items at once (PackTableLayout::ordered false: CUDA) keeps only
+/// `reading_bucket` in its memory (ResidentPackTables). Each bucket's items are contiguous in both lists, so one bucket
+/// of the run can be launched alone (ResidentPackTables::slice).
 struct PackTable {
   std::vector<PackTensor> tensors;
   std::vector<PackItem> reading_bucket;
@@ -119,8 +118,9 @@ struct PackTable {
 };
 
 /// Builds the table of the buckets `run` (consecutive); user_pointers[i] is layout tensor i's buffer (param or grad).
+/// Items are of at most `chunk_elements` elements: the backend's (pack_table_layout_of<Backend>().chunk_elements).
 TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, Range run, const std::vector<void*>& user_pointers,
-                                             std::size_t chunk_elements = pack_chunk_elements) {
+                                             std::size_t chunk_elements = PackTableLayout{}.chunk_elements) {
   if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
     detail::fail("tandem: pack chunk_elements must be a positive multiple of 16 below 2^32");
   if (run.begin >= run.end || run.end > plan.num_buckets())
@@ -154,13 +154,13 @@ TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, Range run, const 
 
 /// Builds bucket `b`'s table alone.
 TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, std::size_t b, const std::vector<void*>& user_pointers,
-                                             std::size_t chunk_elements = pack_chunk_elements) {
+                                             std::size_t chunk_elements = PackTableLayout{}.chunk_elements) {
   return make_pack_table(plan, Range{b, b + 1}, user_pointers, chunk_elements);
 }
 
 /// Where a bucket's tables live for launches: in the backend's memory (device memory on CUDA).
 struct PackTableView {
-  const PackItem* reading_user = nullptr;
+  const PackItem* reading_user = nullptr;  ///< reading_bucket itself where the backend keeps one list
   const PackItem* reading_bucket = nullptr;
   const PackTensor* tensors = nullptr;
   std::size_t items = 0;  ///< items of one launch over the bucket (both lists hold this many)
@@ -168,15 +168,19 @@ struct PackTableView {
 
 /// Every run's PackTable copied once into backend memory (one allocation for the items, one for the tensors),
 /// so that a step copies nothing, a launch passes three pointers whatever the tensor count (no kernel-parameter
-/// limit), and the launches can be captured in a CUDA graph.
+/// limit), and the launches can be captured in a CUDA graph. Where the backend's launches run their items at once
+/// (PackTableLayout::ordered false) only reading_bucket is kept, and each view's reading_user is that same list.
 template <class Backend>
 class ResidentPackTables {
  public:
+  /// Whether reading_user is kept as a list of its own.
+  static constexpr bool both_orders = pack_table_layout_of<Backend>().ordered;
+
   ResidentPackTables() = default;
   TANDEM_COLD ResidentPackTables(const Backend& backend, const std::vector<PackTable>& tables, Stream stream) {
     std::size_t items = 0, tensors = 0;
     for (const PackTable& t : tables) {
-      items += 2 * t.size();
+      items += (both_orders ? 2 : 1) * t.size();
       tensors += t.tensors.size();
     }
     items_ = detail::allocate_named<PackItem>(backend, items, "the pack tables");
@@ -185,10 +189,13 @@ class ResidentPackTables {
     for (const PackTable& t : tables) {
       PackTableView v;
       v.items = t.size();
-      v.reading_user = items_.data() + i;
-      backend.copy(items_.data() + i, t.reading_user.data(), t.size() * sizeof(PackItem), stream);
-      i += t.size();
+      if constexpr (both_orders) {
+        v.reading_user = items_.data() + i;
+        backend.copy(items_.data() + i, t.reading_user.data(), t.size() * sizeof(PackItem), stream);
+        i += t.size();
+      }
       v.reading_bucket = items_.data() + i;
+      if constexpr (!both_orders) v.reading_user = v.reading_bucket;
       backend.copy(items_.data() + i, t.reading_bucket.data(), t.size() * sizeof(PackItem), stream);
       i += t.size();
       v.tensors = tensors_.data() + k;
@@ -206,7 +213,7 @@ class ResidentPackTables {
     const std::vector<std::size_t>& at = bucket_items_[k];
     PackTableView v = views_[k];
     v.reading_bucket += at[j];
-    v.reading_user += v.items - at[j + 1];
+    v.reading_user = both_orders ? v.reading_user + (v.items - at[j + 1]) : v.reading_bucket;
     v.items = at[j + 1] - at[j];
     return v;
   }

@@ -27,9 +27,10 @@ enum class Storage {
 /// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers and
 /// `buckets` is everything else tandem allocates besides master weights and optimizer state (its flat copies and the
 /// shard accumulator too); with Storage::owned, `params` and `grads` are tandem's storage that lives across the step,
-/// and `buckets` is its transient storage. Not counted: the pack tables (64 bytes per 1024 elements), the scratch
-/// of the gradient norm (a few words per bucket, from the first clipped step), and the backend's and communicator's
-/// own workspaces.
+/// and `buckets` is its transient storage. Not counted: the pack tables (64 bytes per 1024 elements), the gradient
+/// norm's buffers (a few words per bucket, and on CUDA a double per 4096 elements of the largest range summed, with
+/// CUB's temporary storage: about 13 KB for a 25 MB bucket; from the first clipped or checked step), and the backend's
+/// and communicator's own workspaces.
 struct MemoryReport {
   std::size_t params = 0;           ///< parameter storage
   std::size_t grads = 0;            ///< gradient storage (the user's buffers, or what tandem keeps across the step)
