@@ -9,7 +9,8 @@
 // CudaBackendOptions::programmatic_launch off), a launch per bucket (/per_bucket), one launch over every bucket
 // (/one_launch), items of 1024, 2048 and 4096 elements instead of CudaBackend's 512 (/chunk1024, /chunk2048,
 // /chunk4096), plain launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item
-// (/lanes16, /lanes8), runs after a pass's first that start beside the run before them (/overlap: run_overlapping).
+// (/lanes16, /lanes8), runs after a pass's first that start beside the run before them (/overlap: run_overlapping),
+// each warp's next item read before it moves the current one (/prefetch: run_prefetching).
 // Data is never zeros. Without a GPU it prints a line and exits 0.
 //
 // Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
@@ -229,6 +230,7 @@ struct PackVariant {
   bool plain = false;    ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
   bool grid8 = false;    ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
   bool overlap = false;  ///< run_overlapping: a pass's later runs start while the run before them ends
+  bool prefetch = false;  ///< run_prefetching: each slot reads its next item before it moves the current one
   unsigned lanes = tandem::item_lanes;  ///< per item: a warp, or a slot of 16 or 8 threads (several items per warp)
   tandem::RunGrouping runs(PackDirection direction) const {
     return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
@@ -239,7 +241,7 @@ struct PackVariant {
                        : grouping == tandem::RunGrouping::per_bucket ? "/per_bucket"
                                                                      : "") +
            (chunk == PackVariant{}.chunk ? "" : "/chunk" + std::to_string(chunk)) + (plain ? "/plain_launch" : "") +
-           (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") +
+           (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") + (prefetch ? "/prefetch" : "") +
            (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
   }
 };
@@ -271,6 +273,24 @@ void launch_overlapping(const tandem::CudaBackend& cuda, std::size_t items, cons
   tandem::detail::launch_kernel(run_overlapping<Body>,
                                 tandem::launch_shape(items, cuda.resident_blocks<Body>(), tandem::lanes_of<Body>()),
                                 stream, cuda.programmatic(), body, items, first);
+}
+
+/// detail::run_items for a pack body, with each slot's next item read before it moves the current one
+/// (for_each_item_of_slot_ahead; the /prefetch rows): the load of the next item's descriptor, which a warp otherwise
+/// waits for between its items, is in flight while the current item's data moves. At most 40 registers (6 blocks of
+/// 256 threads per SM, as run_items holds for the fp32 pack and unpack), for 12 bytes of spills by ptxas (CUDA 13,
+/// sm_90); without the bound it takes 48, 5 blocks per SM. Launched as CudaBackend::launch launches run_items.
+template <class Body>
+__global__ void __launch_bounds__(tandem::block_threads, 6) run_prefetching(Body body, std::size_t items) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  constexpr unsigned lanes = tandem::lanes_of<Body>();
+  const unsigned lane = threadIdx.x % lanes;
+  tandem::for_each_item_of_slot_ahead(
+      blockIdx.x, threadIdx.x / lanes, gridDim.x, items, lanes, [&](std::size_t item) { return body.items[item]; },
+      [&](const tandem::PackItem& it) { body.run(it, lane, lanes); });
 }
 
 /// A layout's user tensors (one device arena, each tensor 16-byte aligned like separate allocations), its flat
@@ -338,6 +358,10 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
       const Body body{items, t.tensors, s.base(k), 1.0f};
       if (variant.overlap)
         launch_overlapping(cuda, t.items, body, j == 0, stream);
+      else if (variant.prefetch)
+        tandem::detail::launch_kernel(run_prefetching<Body>,
+                                      tandem::launch_shape(t.items, cuda.resident_blocks<Body>()), stream,
+                                      cuda.programmatic(), body, t.items);
       else if (variant.grid8)
         tandem::detail::
             run_items<<<tandem::launch_shape(t.items, cuda.max_blocks()).grid, tandem::block_threads, 0, stream>>>(
@@ -503,9 +527,9 @@ void register_all() {
   // per item (two or four items per warp) give (no target: they say where to go next).
   for (const PackVariant v :
        {PackVariant{.plain = true}, PackVariant{.grid8 = true}, PackVariant{.overlap = true},
-        PackVariant{.grouping = tandem::RunGrouping::per_bucket}, PackVariant{.grouping = tandem::RunGrouping::one},
-        PackVariant{.chunk = 1024}, PackVariant{.chunk = 2048}, PackVariant{.chunk = 4096}, PackVariant{.lanes = 16},
-        PackVariant{.lanes = 8}})
+        PackVariant{.prefetch = true}, PackVariant{.grouping = tandem::RunGrouping::per_bucket},
+        PackVariant{.grouping = tandem::RunGrouping::one}, PackVariant{.chunk = 1024}, PackVariant{.chunk = 2048},
+        PackVariant{.chunk = 4096}, PackVariant{.lanes = 16}, PackVariant{.lanes = 8}})
     for (const char* name : {"gpt2", "10000x1KB"}) {
       const std::string l = name;
       if (l != "gpt2" && v.chunk != PackVariant{}.chunk) continue;  // 1 KB tensors are one item either way

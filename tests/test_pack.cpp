@@ -249,6 +249,29 @@ TEST_CASE(
       check_item_mapping<tandem::WithItemLanes<LaneRecorder<16>, 16>>(items, max_blocks);
       check_item_mapping<tandem::WithItemLanes<LaneRecorder<8>, 8>>(items, max_blocks);
 
+      // one item ahead: every slot visits its items in the same order, and loads each (after its first) while the
+      // item before it has not been worked on yet
+      for (unsigned lanes : {32u, 16u, 8u}) {
+        const tandem::LaunchShape s = tandem::launch_shape(items, max_blocks, lanes);
+        for (unsigned b = 0; b < s.grid; ++b)
+          for (unsigned slot = 0; slot < s.block / lanes; ++slot) {
+            std::vector<std::size_t> plain, loaded, worked;
+            tandem::for_each_item_of_slot(b, slot, s.grid, items, lanes, [&](std::size_t i) { plain.push_back(i); });
+            tandem::for_each_item_of_slot_ahead(
+                b, slot, s.grid, items, lanes,
+                [&](std::size_t i) {
+                  loaded.push_back(i);
+                  return i;
+                },
+                [&](std::size_t i) {
+                  REQUIRE(loaded.size() == std::min(worked.size() + 2, plain.size()));  // the next one is loaded
+                  worked.push_back(i);
+                });
+            REQUIRE(loaded == plain);
+            REQUIRE(worked == plain);
+          }
+      }
+
       const tandem::LaunchShape r = tandem::reduction_shape(items, max_blocks);
       CHECK(r.grid == std::min<std::size_t>(items, max_blocks));
       std::vector<int> hits(items, 0);

@@ -124,6 +124,25 @@ TANDEM_HD void for_each_item_of_slot(unsigned block, unsigned slot, unsigned gri
   for (std::size_t item = std::size_t{block} * per_block + slot; item < items; item += stride) f(item);
 }
 
+/// for_each_item_of_slot, one item ahead: calls f(load(item)) for every item the slot visits, in order, and calls
+/// load for the next item before f runs on the current one, so that on a device the next item's load (its descriptor,
+/// say) is in flight while f works on this one. bench_cuda's /prefetch rows launch the pack bodies this way.
+template <class Load, class F>
+TANDEM_HD void for_each_item_of_slot_ahead(unsigned block, unsigned slot, unsigned grid, std::size_t items,
+                                           unsigned lanes, Load&& load, F&& f) {
+  const std::size_t per_block = block_threads / lanes;
+  const std::size_t stride = std::size_t{grid} * per_block;
+  std::size_t item = std::size_t{block} * per_block + slot;
+  if (item >= items) return;
+  auto current = load(item);
+  for (item += stride; item < items; item += stride) {
+    auto ahead = load(item);
+    f(current);
+    current = ahead;
+  }
+  f(current);
+}
+
 /// Calls f(item) for every item block `block` of a `grid`-block reduction visits, in order.
 template <class F>
 TANDEM_HD void for_each_item_of_block(unsigned block, unsigned grid, std::size_t items, F&& f) {

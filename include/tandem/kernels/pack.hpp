@@ -244,8 +244,9 @@ struct PackBody {
   float scale;
   StoreHint hint = StoreHint::cached;  ///< streaming for buckets far larger than the cache
 
-  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
-    const PackItem it = items[item];
+  TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const { run(items[item], lane, lanes); }
+  /// Lane `lane`'s part of item `it` (read from `items` already).
+  TANDEM_HD void run(const PackItem& it, unsigned lane, unsigned lanes) const {
     const PackTensor t = tensors[it.tensor];
     UserT* user = static_cast<UserT*>(t.user) + it.begin;
     BucketT* flat = bucket + t.offset + it.begin;
