@@ -10,8 +10,11 @@
 // (/one_launch), items of 1024, 2048 and 4096 elements instead of CudaBackend's 512 (/chunk1024, /chunk2048,
 // /chunk4096), plain launches of SMs x 8 blocks whatever the kernel's occupancy (/grid8), 16 or 8 lanes per item
 // (/lanes16, /lanes8), runs after a pass's first that start beside the run before them (/overlap: run_overlapping),
-// each warp's next item read before it moves the current one (/prefetch: run_prefetching).
-// Data is never zeros. Without a GPU it prints a line and exits 0.
+// each warp's next item read before it moves the current one (/prefetch: run_prefetching), the pack's items in the
+// host's order, tensors in layout order (/user_order; /chunk1024/user_order is the pack as it was before CudaBackend's
+// 512-element items in one list). The rows of the bench's own kernels (/overlap, /prefetch) first check that a pass
+// writes what CudaBackend::launch writes over the same tables. Data is never zeros. Without a GPU it prints a line and
+// exits 0.
 //
 // Timing. A pack pass, an AdamW update and the copy they are divided by are each timed one at a time, in the same way:
 // the stream is held by a one-thread kernel (StreamHold) while the host enqueues the start event, the work and the end
@@ -26,11 +29,14 @@
 // serialize launches, the flag --unheld times every pass unheld (NVBench's --disable-blocking-kernel).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -230,7 +236,8 @@ struct PackVariant {
   bool plain = false;    ///< launched by plain_backend(), or by backend() (programmatic launches, the default)
   bool grid8 = false;    ///< plain launches of SMs x 8 blocks (before CudaBackend::resident_blocks), not by the backend
   bool overlap = false;  ///< run_overlapping: a pass's later runs start while the run before them ends
-  bool prefetch = false;  ///< run_prefetching: each slot reads its next item before it moves the current one
+  bool prefetch = false;    ///< run_prefetching: each slot reads its next item before it moves the current one
+  bool user_order = false;  ///< the tables' one list in the pack's host order (PackTable::reading_user)
   unsigned lanes = tandem::item_lanes;  ///< per item: a warp, or a slot of 16 or 8 threads (several items per warp)
   tandem::RunGrouping runs(PackDirection direction) const {
     return grouping.value_or(direction == PackDirection::to_bucket ? tandem::RunGrouping::from_first
@@ -242,7 +249,7 @@ struct PackVariant {
                                                                      : "") +
            (chunk == PackVariant{}.chunk ? "" : "/chunk" + std::to_string(chunk)) + (plain ? "/plain_launch" : "") +
            (grid8 ? "/grid8" : "") + (overlap ? "/overlap" : "") + (prefetch ? "/prefetch" : "") +
-           (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
+           (user_order ? "/user_order" : "") + (lanes == tandem::item_lanes ? "" : "/lanes" + std::to_string(lanes));
   }
 };
 
@@ -265,21 +272,38 @@ __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body bo
 #endif
 }
 
-/// A launch of run_overlapping as CudaBackend::launch would launch run_items: as large, and programmatic where it is
-/// (where not, the rows are the plain ones).
-template <class Body>
-void launch_overlapping(const tandem::CudaBackend& cuda, std::size_t items, const Body& body, bool first,
-                        cudaStream_t stream) {
-  tandem::detail::launch_kernel(run_overlapping<Body>,
-                                tandem::launch_shape(items, cuda.resident_blocks<Body>(), tandem::lanes_of<Body>()),
-                                stream, cuda.programmatic(), body, items, first);
+/// The blocks of `kernel` the current device keeps resident at once (its SMs x the kernel's occupancy), asked once per
+/// kernel: for the bench's own kernels what CudaBackend::resident_blocks is for run_items.
+template <auto kernel>
+unsigned resident_blocks_of() {
+  static const unsigned blocks = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    TANDEM_CUDA_CHECK(cudaGetDevice(&device));
+    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    TANDEM_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(tandem::block_threads), 0));
+    return static_cast<unsigned>(std::max(sms, 1) * std::max(per_sm, 1));
+  }();
+  return blocks;
+}
+
+/// A launch of one of the bench's own kernels over `items` as CudaBackend::launch launches run_items: a grid of the
+/// blocks of it the device keeps resident (at most), programmatic where the backend's launches are (where not, the
+/// rows are the plain ones).
+template <auto kernel, class Body, class... Args>
+void launch_as_backend(const tandem::CudaBackend& cuda, std::size_t items, cudaStream_t stream, const Body& body,
+                       Args... args) {
+  if (items == 0) return;
+  tandem::detail::launch_kernel(kernel,
+                                tandem::launch_shape(items, resident_blocks_of<kernel>(), tandem::lanes_of<Body>()),
+                                stream, cuda.programmatic(), body, items, args...);
 }
 
 /// detail::run_items for a pack body, with each slot's next item read before it moves the current one
 /// (for_each_item_of_slot_ahead; the /prefetch rows): the load of the next item's descriptor, which a warp otherwise
 /// waits for between its items, is in flight while the current item's data moves. At most 40 registers (6 blocks of
-/// 256 threads per SM, as run_items holds for the fp32 pack and unpack), for 12 bytes of spills by ptxas (CUDA 13,
-/// sm_90); without the bound it takes 48, 5 blocks per SM. Launched as CudaBackend::launch launches run_items.
+/// 256 threads per SM, as run_items holds for the fp32 pack and unpack): 40 by ptxas (CUDA 13, sm_90), no spills;
+/// without the bound the pack takes 48, 5 blocks per SM.
 template <class Body>
 __global__ void __launch_bounds__(tandem::block_threads, 6) run_prefetching(Body body, std::size_t items) {
 #if __CUDA_ARCH__ >= 900
@@ -300,15 +324,19 @@ struct PackSetup {
   std::vector<std::size_t> sizes;
   tandem::Plan plan;
   tandem::BucketRuns runs;
+  std::size_t user_bytes, flat_bytes;
   DeviceBytes user, flat;
   tandem::ResidentPackTables<tandem::CudaBackend> tables;
+  bool checked = false;  ///< check() has run
 
   PackSetup(const std::string& layout, PackVariant v, PackDirection direction)
       : sizes(bench::layout(layout)),
         plan(sizes, options()),
         runs(plan.num_buckets(), v.runs(direction)),
-        user((bench::total(sizes) + 16 * sizes.size()) * sizeof(UserT)),
-        flat(plan.total_size() * sizeof(BucketT)) {
+        user_bytes((bench::total(sizes) + 16 * sizes.size()) * sizeof(UserT)),
+        flat_bytes(plan.total_size() * sizeof(BucketT)),
+        user(user_bytes),
+        flat(flat_bytes) {
     std::vector<void*> pointers;
     std::size_t at = 0;
     for (std::size_t n : sizes) {
@@ -316,11 +344,42 @@ struct PackSetup {
       at += (n + 15) / 16 * 16;
     }
     std::vector<tandem::PackTable> host;
-    for (const tandem::Range& run : runs.runs) host.push_back(tandem::make_pack_table(plan, run, pointers, v.chunk));
+    for (const tandem::Range& run : runs.runs) {
+      host.push_back(tandem::make_pack_table(plan, run, pointers, v.chunk));
+      // CudaBackend keeps the bucket-order list alone; /user_order puts the pack's host order (tensors in layout
+      // order) in its place
+      if (v.user_order) std::swap(host.back().reading_bucket, host.back().reading_user);
+    }
     tables = tandem::ResidentPackTables<tandem::CudaBackend>(backend(), host, backend().stream());
-    TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, at * sizeof(UserT)));  // 0.186 in fp32 and bf16: not zeros
-    TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, plan.total_size() * sizeof(BucketT)));
-    backend().synchronize(backend().stream());
+    fill();
+  }
+  /// Both sides to 0x3e bytes: 0.186 in fp32 and bf16, not zeros.
+  void fill() const {
+    TANDEM_CUDA_CHECK(cudaMemset(user.p, 0x3e, user_bytes));
+    TANDEM_CUDA_CHECK(cudaMemset(flat.p, 0x3e, flat_bytes));
+    TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  /// For a row whose kernel is the bench's own: `pass(false)`, the row's pass, writes what `pass(true)`, the same
+  /// tables launched by CudaBackend::launch, writes, from the same source bytes (a pattern) into a destination poisoned
+  /// alike, gaps included; throws where not. Leaves both sides as fill() does.
+  template <class Pass>
+  void check(PackDirection direction, cudaStream_t stream, const Pass& pass) const {
+    const bool to_bucket = direction == PackDirection::to_bucket;
+    void* const src = to_bucket ? user.p : flat.p;
+    void* const dst = to_bucket ? flat.p : user.p;
+    const std::size_t src_bytes = to_bucket ? user_bytes : flat_bytes, dst_bytes = to_bucket ? flat_bytes : user_bytes;
+    std::vector<unsigned char> pattern(src_bytes), want(dst_bytes), got(dst_bytes);
+    for (std::size_t i = 0; i < src_bytes; ++i) pattern[i] = static_cast<unsigned char>((i * 2654435761u) >> 11);
+    TANDEM_CUDA_CHECK(cudaMemcpy(src, pattern.data(), src_bytes, cudaMemcpyHostToDevice));
+    for (const bool library : {true, false}) {
+      TANDEM_CUDA_CHECK(cudaMemset(dst, 0xff, dst_bytes));
+      TANDEM_CUDA_CHECK(cudaDeviceSynchronize());
+      pass(library);
+      TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      TANDEM_CUDA_CHECK(cudaMemcpy(library ? want.data() : got.data(), dst, dst_bytes, cudaMemcpyDeviceToHost));
+    }
+    fill();
+    if (got != want) throw std::runtime_error("its output differs from CudaBackend::launch's over the same tables");
   }
   static tandem::PlanOptions options() {
     tandem::PlanOptions o;
@@ -349,19 +408,20 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
   auto& s = PackSetup<UserT, BucketT>::get(layout, variant, Direction);
   const tandem::CudaBackend& cuda = variant.plain ? plain_backend() : backend();
   const cudaStream_t stream = tandem::detail::native(cuda.stream());
-  auto one_pass = [&] {
+  // A pass as the row launches it, or (`library`) by CudaBackend::launch over the same tables.
+  auto pass = [&](bool library) {
     for (std::size_t j = 0; j < s.launches(); ++j) {  // in the step's order: unpacks from the last run
       const std::size_t k = Direction == PackDirection::to_bucket ? j : s.launches() - 1 - j;
       const tandem::PackTableView& t = s.tables[k];
       const auto* items = Direction == PackDirection::to_bucket ? t.reading_user : t.reading_bucket;
       using Body = tandem::PackBody<UserT, BucketT, Direction>;
       const Body body{items, t.tensors, s.base(k), 1.0f};
-      if (variant.overlap)
-        launch_overlapping(cuda, t.items, body, j == 0, stream);
+      if (library)
+        cuda.launch(t.items, body, cuda.stream());
+      else if (variant.overlap)
+        launch_as_backend<run_overlapping<Body>>(cuda, t.items, stream, body, j == 0);
       else if (variant.prefetch)
-        tandem::detail::launch_kernel(run_prefetching<Body>,
-                                      tandem::launch_shape(t.items, cuda.resident_blocks<Body>()), stream,
-                                      cuda.programmatic(), body, t.items);
+        launch_as_backend<run_prefetching<Body>>(cuda, t.items, stream, body);
       else if (variant.grid8)
         tandem::detail::
             run_items<<<tandem::launch_shape(t.items, cuda.max_blocks()).grid, tandem::block_threads, 0, stream>>>(
@@ -374,7 +434,12 @@ void BM_pack(benchmark::State& state, const std::string& layout, PackVariant var
         cuda.launch(t.items, body, cuda.stream());
     }
   };
-  try {  // a stream hold that ran out (held_seconds): this row's error
+  auto one_pass = [&] { pass(false); };
+  try {  // a stream hold that ran out (held_seconds), or output unlike the library's: this row's error
+    if ((variant.overlap || variant.prefetch) && !s.checked) {
+      s.check(Direction, stream, pass);
+      s.checked = true;
+    }
     const double mean = timed_iterations(state, stream, one_pass);
     const std::size_t n = bench::total(s.sizes);
     const std::size_t src = Direction == PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
@@ -523,25 +588,6 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
-  // What plain launches, a launch per bucket, one launch over every bucket, larger or smaller items, and 16 or 8 lanes
-  // per item (two or four items per warp) give (no target: they say where to go next).
-  for (const PackVariant v :
-       {PackVariant{.plain = true}, PackVariant{.grid8 = true}, PackVariant{.overlap = true},
-        PackVariant{.prefetch = true}, PackVariant{.grouping = tandem::RunGrouping::per_bucket},
-        PackVariant{.grouping = tandem::RunGrouping::one}, PackVariant{.chunk = 1024}, PackVariant{.chunk = 2048},
-        PackVariant{.chunk = 4096}, PackVariant{.lanes = 16}, PackVariant{.lanes = 8}})
-    for (const char* name : {"gpt2", "10000x1KB"}) {
-      const std::string l = name;
-      if (l != "gpt2" && v.chunk != PackVariant{}.chunk) continue;  // 1 KB tensors are one item either way
-      benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l + v.suffix()).c_str(),
-                                   BM_pack<float, float, PackDirection::to_bucket>, l, v)
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
-      benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l + v.suffix()).c_str(),
-                                   BM_pack<float, float, PackDirection::from_bucket>, l, v)
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
-    }
   benchmark::RegisterBenchmark("cuda_adamw/fp32", BM_adamw<float>)
       ->RangeMultiplier(16)
       ->Range(1 << 20, 1 << 28)
@@ -563,6 +609,30 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
 #endif
+  // What plain launches, a launch per bucket, one launch over every bucket, larger or smaller items, 16 or 8 lanes per
+  // item (two or four items per warp), each warp's next item read ahead, and the pack's items in the host's order
+  // give (no target: they say where to go next). /chunk1024/user_order is the pack as it was before 512-element items.
+  // Last, so that a run cut short by its time bound still has every target's row.
+  for (const PackVariant v :
+       {PackVariant{.plain = true}, PackVariant{.grid8 = true}, PackVariant{.overlap = true},
+        PackVariant{.prefetch = true}, PackVariant{.grouping = tandem::RunGrouping::per_bucket},
+        PackVariant{.grouping = tandem::RunGrouping::one}, PackVariant{.chunk = 1024}, PackVariant{.chunk = 2048},
+        PackVariant{.chunk = 4096}, PackVariant{.lanes = 16}, PackVariant{.lanes = 8}, PackVariant{.user_order = true},
+        PackVariant{.chunk = 1024, .user_order = true}})
+    for (const char* name : {"gpt2", "10000x1KB"}) {
+      const std::string l = name;
+      // 1 KB tensors are one item whatever the size, in nearly the same order either way
+      if (l != "gpt2" && (v.chunk != PackVariant{}.chunk || v.user_order)) continue;
+      benchmark::RegisterBenchmark(("cuda_pack/fp32->fp32/" + l + v.suffix()).c_str(),
+                                   BM_pack<float, float, PackDirection::to_bucket>, l, v)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+      if (v.user_order) continue;  // the unpack reads the bucket's order, as before
+      benchmark::RegisterBenchmark(("cuda_unpack/fp32->fp32/" + l + v.suffix()).c_str(),
+                                   BM_pack<float, float, PackDirection::from_bucket>, l, v)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
 }
 
 }  // namespace

@@ -105,6 +105,7 @@ void check_pack(std::mt19937& rng) {
   }
   const tandem::HostBackend host;
   const tandem::CudaBackend cuda;
+  constexpr std::size_t cuda_chunk = tandem::CudaBackend::pack_table_layout.chunk_elements;  // the host's tables: 1024
   std::vector<BucketT> start(plan.total_size());
   for (auto& v : start) v = BucketT(dist(rng));
   tandem::HostBuffer<BucketT> host_flat(plan.total_size());
@@ -113,8 +114,8 @@ void check_pack(std::mt19937& rng) {
   dev_flat.upload(start.data(), start.size());
   for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
     const tandem::ResidentPackTables<tandem::HostBackend> ht(host, {tandem::make_pack_table(plan, b, host_ptrs)}, {});
-    const tandem::ResidentPackTables<tandem::CudaBackend> dt(cuda, {tandem::make_pack_table(plan, b, dev_ptrs)},
-                                                             cuda.stream());
+    const tandem::ResidentPackTables<tandem::CudaBackend> dt(
+        cuda, {tandem::make_pack_table(plan, b, dev_ptrs, cuda_chunk)}, cuda.stream());
     const std::size_t off = plan.bucket(b).offset;
     host.launch(ht[0].items, tandem::PackBody<UserT, BucketT, PackDirection::to_bucket, Mode>{
                                  ht[0].reading_user, ht[0].tensors, host_flat.data() + off, 0.75f});
@@ -131,8 +132,8 @@ void check_pack(std::mt19937& rng) {
   if constexpr (std::is_same_v<UserT, BucketT> && Mode == tandem::WriteMode::assign) {  // unpack back
     for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
       const tandem::ResidentPackTables<tandem::HostBackend> ht(host, {tandem::make_pack_table(plan, b, host_ptrs)}, {});
-      const tandem::ResidentPackTables<tandem::CudaBackend> dt(cuda, {tandem::make_pack_table(plan, b, dev_ptrs)},
-                                                               cuda.stream());
+      const tandem::ResidentPackTables<tandem::CudaBackend> dt(
+          cuda, {tandem::make_pack_table(plan, b, dev_ptrs, cuda_chunk)}, cuda.stream());
       const std::size_t off = plan.bucket(b).offset;
       host.launch(ht[0].items, tandem::PackBody<UserT, BucketT, PackDirection::from_bucket>{
                                    ht[0].reading_bucket, ht[0].tensors, host_flat.data() + off, 2.0f});

@@ -498,7 +498,8 @@ TEST_CASE("pack launches captured in a CUDA graph and replayed equal eager launc
     pointers.push_back(user.back()->p);
   }
   std::vector<tandem::PackTable> tables;
-  for (std::size_t b = 0; b < plan.num_buckets(); ++b) tables.push_back(tandem::make_pack_table(plan, b, pointers));
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b)
+    tables.push_back(tandem::make_pack_table(plan, b, pointers, CudaBackend::pack_table_layout.chunk_elements));
   const tandem::ResidentPackTables<CudaBackend> resident(backend, tables, backend.stream());
   Device<float> eager(plan.total_size()), replayed(plan.total_size());
   const auto pack_all = [&](float* flat, tandem::Stream s) {

@@ -794,4 +794,76 @@ TEST_CASE("store_optimizer_options() validates the options it stores") {
     CHECK_THROWS_WITH_AS(dp.store_optimizer_options(), doctest::Contains("lr"), tandem::error);
   });
 }
+
+namespace {
+
+/// Base, counting the pack table items it allocates (ResidentPackTables); the count outlives the move into
+/// DataParallel.
+template <class Base>
+struct PackItemCounting : Base {
+  std::shared_ptr<std::size_t> pack_items = std::make_shared<std::size_t>(0);
+  template <class T>
+  typename Base::template Buffer<T> allocate(std::size_t n) const {
+    if constexpr (std::is_same_v<T, tandem::PackItem>) *pack_items += n;
+    return Base::template allocate<T>(n);
+  }
+};
+/// The host backend with CudaBackend's pack tables.
+struct CudaTablesOnHost : tandem::HostBackend {
+  static constexpr tandem::PackTableLayout pack_table_layout = tandem::cuda_pack_table_layout;
+};
+
+/// The pack table items a copy-mode DataParallel on `backend` allocates for tensors of these sizes; checks that two
+/// SGD steps on it give the bits they give on HostBackend.
+template <class Backend>
+std::size_t pack_items_of(const std::vector<std::size_t>& sizes, Backend backend) {
+  const std::shared_ptr<std::size_t> items = backend.pack_items;
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    Params w(sizes.size()), g(sizes.size()), w_plain, g_plain;
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      for (std::size_t e = 0; e < sizes[i]; ++e) w[i].push_back(0.01f * static_cast<float>((e * 7 + i) % 101));
+    w_plain = w;
+    g_plain = g;
+    const Params start = w;
+    auto refs = [&](Params& ws, Params& gs) {
+      std::vector<tandem::TensorRef> r;
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        gs[i].assign(sizes[i], 0.0f);
+        r.push_back({"t" + std::to_string(i), ws[i].data(), gs[i].data(), sizes[i]});
+      }
+      return r;
+    };
+    tandem::DataParallel<tandem::Replicated, tandem::SGD, Backend> dp(comm, refs(w, g), {.lr = 0.1f},
+                                                                      {.bucket_cap_bytes = 8192}, std::move(backend));
+    tandem::DataParallel<tandem::Replicated, tandem::SGD> plain(comm, refs(w_plain, g_plain), {.lr = 0.1f},
+                                                                {.bucket_cap_bytes = 8192});
+    for (int step = 1; step <= 2; ++step) {
+      for (Params* gs : {&g, &g_plain})
+        for (std::size_t i = 0; i < sizes.size(); ++i)
+          for (std::size_t e = 0; e < sizes[i]; ++e)
+            (*gs)[i][e] = 0.001f * static_cast<float>(static_cast<int>((e * 13 + i * 5 + step) % 17) - 8);
+      dp.step();
+      plain.step();
+    }
+    CHECK(w != start);  // trained
+    CHECK(bitwise_equal(w, w_plain));
+  });
+  return *items;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "copy mode's pack tables take the backend's items: two lists of 1024 elements on the host, one of 512 on "
+    "CUDA's") {
+  const std::vector<std::size_t> sizes{5000, 1, 511, 512, 513, 1023, 1024, 1025, 70000, 16};
+  auto items = [&](std::size_t chunk) {
+    std::size_t n = 0;
+    for (const std::size_t s : sizes) n += (s + chunk - 1) / chunk;
+    return n;
+  };
+  // Two tables, the parameters' and the gradients', each covering every tensor.
+  CHECK(pack_items_of(sizes, PackItemCounting<tandem::HostBackend>{}) == 2 * 2 * items(1024));
+  CHECK(pack_items_of(sizes, PackItemCounting<CudaTablesOnHost>{}) == 2 * items(512));
+}
 #endif

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "tandem/backend/allocate.hpp"
+#include "tandem/backend/launch.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
