@@ -272,31 +272,16 @@ __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body bo
 #endif
 }
 
-/// The blocks of `kernel` the current device keeps resident at once (its SMs x the kernel's occupancy), asked once per
-/// kernel: for the bench's own kernels what CudaBackend::resident_blocks is for run_items.
-template <auto kernel>
-unsigned resident_blocks_of() {
-  static const unsigned blocks = [] {
-    int device = 0, sms = 0, per_sm = 0;
-    TANDEM_CUDA_CHECK(cudaGetDevice(&device));
-    TANDEM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    TANDEM_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(tandem::block_threads), 0));
-    return static_cast<unsigned>(std::max(sms, 1) * std::max(per_sm, 1));
-  }();
-  return blocks;
-}
-
 /// A launch of one of the bench's own kernels over `items` as CudaBackend::launch launches run_items: a grid of the
-/// blocks of it the device keeps resident (at most), programmatic where the backend's launches are (where not, the
-/// rows are the plain ones).
+/// blocks of it the device keeps resident (CudaBackend::resident_blocks_of, at most), programmatic where the backend's
+/// launches are (where not, the rows are the plain ones).
 template <auto kernel, class Body, class... Args>
 void launch_as_backend(const tandem::CudaBackend& cuda, std::size_t items, cudaStream_t stream, const Body& body,
                        Args... args) {
   if (items == 0) return;
-  tandem::detail::launch_kernel(kernel,
-                                tandem::launch_shape(items, resident_blocks_of<kernel>(), tandem::lanes_of<Body>()),
-                                stream, cuda.programmatic(), body, items, args...);
+  tandem::detail::launch_kernel(
+      kernel, tandem::launch_shape(items, cuda.resident_blocks_of<kernel>(), tandem::lanes_of<Body>()), stream,
+      cuda.programmatic(), body, items, args...);
 }
 
 /// detail::run_items for a pack body, with each slot's next item read before it moves the current one

@@ -318,6 +318,11 @@ class CudaBackend {
   /// Asked of the runtime once per kernel and device (cudaOccupancyMaxActiveBlocksPerMultiprocessor), kept after.
   template <class Body>
   unsigned resident_blocks() const {
+    return resident_blocks_of<detail::run_items<Body>>();
+  }
+  /// resident_blocks() for any kernel of block_threads threads (a benchmark's own, say).
+  template <auto kernel>
+  unsigned resident_blocks_of() const {
     static std::array<std::atomic<unsigned>, 64> known{};  // per device ordinal; 0: not asked yet
     const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
     if (cached) {
@@ -325,8 +330,8 @@ class CudaBackend {
       if (blocks != 0) return blocks;
     }
     int per_sm = 0;
-    TANDEM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, detail::run_items<Body>,
-                                                                    static_cast<int>(block_threads), 0));
+    TANDEM_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(block_threads), 0));
     const unsigned blocks = std::min(max_blocks_, sms_ * static_cast<unsigned>(std::max(per_sm, 1)));
     if (cached) known[static_cast<std::size_t>(device_)].store(blocks, std::memory_order_relaxed);
     return blocks;
