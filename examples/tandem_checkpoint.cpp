@@ -6,8 +6,11 @@
 //   tandem_checkpoint consolidate DIR OUT [--all]   the parameters as whole tensors in one safetensors file (--all:
 //                                                   with the master weights and optimizer state), for inference or
 //                                                   PyTorch
-//   tandem_checkpoint import IN.safetensors DIR     a safetensors file as a parameters-only checkpoint, which
-//                                                   DataParallel::load_checkpoint(DIR) takes as initial parameters
+//   tandem_checkpoint import IN.safetensors DIR [--replace]
+//                                                   a safetensors file as a parameters-only checkpoint, which
+//                                                   DataParallel::load_checkpoint(DIR) takes as initial parameters;
+//                                                   a training run's checkpoint in DIR is refused unless --replace
+//   tandem_checkpoint --help                        this usage, on stdout
 //
 // Exit codes: 0 done, 1 the checkpoint or a file is at fault (the message says which and why), 2 bad arguments.
 #include <cstdio>
@@ -38,8 +41,10 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(bytes));
       return 0;
     }
-    if (args.size() == 3 && args[0] == "import") {
-      const tandem::CheckpointManifest m = tandem::import_parameters(args[1], args[2]);
+    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--replace")) && args[0] == "import") {
+      const tandem::CheckpointManifest m = tandem::import_parameters(
+          args[1], args[2],
+          args.size() == 4 ? tandem::ExistingCheckpoint::replace : tandem::ExistingCheckpoint::refuse);
       std::printf("%s: the %zu %s tensors of %s, as a parameters-only checkpoint\n", args[2].c_str(), m.tensors.size(),
                   tandem::dtype_name(m.param_dtype), args[1].c_str());
       return 0;
@@ -48,9 +53,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tandem_checkpoint: %s\n", e.what());
     return 1;
   }
-  std::fprintf(stderr,
+  const bool help = args.size() == 1 && (args[0] == "--help" || args[0] == "-h");
+  std::fprintf(help ? stdout : stderr,
                "usage: tandem_checkpoint verify DIR\n"
                "       tandem_checkpoint consolidate DIR OUT.safetensors [--all]\n"
-               "       tandem_checkpoint import IN.safetensors DIR\n");
-  return 2;
+               "       tandem_checkpoint import IN.safetensors DIR [--replace]\n");
+  return help ? 0 : 2;
 }

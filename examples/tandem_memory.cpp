@@ -2,7 +2,7 @@
 // tandem_memory: how much memory each rank holds under each policy, before any rank exists. For a model given by
 // its parameter count (--params) or its tensor list (--layout), a world size and a parameter dtype, it prints one
 // table: a row per (policy, storage, reduce dtype), GB per rank by MemoryReport category, from tandem::estimate_memory
-// (the figures DataParallel::memory_report() gives on a rank), beside the ZeRO paper's closed form for the same
+// (the figures DataParallel::memory_report() gives on a CUDA rank), beside the ZeRO paper's closed form for the same
 // partitioning. Nothing is allocated and no GPU is needed. Exit codes: 0 done, 1 tandem rejected the configuration, 2
 // bad argument.
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../benchmarks/scaling/scaling_model.hpp"  // load_tensor_list: tandem's one reader of tensor lists
+#include "tandem/backend/launch.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/estimate.hpp"
@@ -259,7 +260,8 @@ void add(Table& t, const Setup& s, const typename Opt::Options& optimizer, Paper
     for (tandem::DType reduce : s.reduces) {
       tandem::DataParallelOptions options = s.options;
       options.reduce_dtype = reduce;
-      const tandem::MemoryReport r = tandem::estimate_memory<P, Opt>(s.tensors, s.world, storage, optimizer, options);
+      const tandem::MemoryReport r = tandem::estimate_memory<P, Opt>(s.tensors, s.world, storage, optimizer, options,
+                                                                     tandem::cuda_pack_table_layout);
       std::optional<double> paper;
       if (s.paper_applies) paper = form.bytes(static_cast<double>(s.psi), static_cast<double>(s.world));
       t.rows.push_back({P::name, storage, reduce, r, paper});
@@ -296,8 +298,8 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
   std::printf("\n%s\n", layout_line.c_str());
   std::printf(
       "GB per rank (1 GB = 1e9 bytes, as in the ZeRO paper). model states = params + grads + master + optimizer\n"
-      "state, buckets = tandem's communication buffers, total = model states + buckets (activations, CUDA and NCCL\n"
-      "workspaces are not counted).\n\n");
+      "state, buckets = tandem's communication buffers, tables = its pack tables on CUDA (user storage), total =\n"
+      "model states + buckets + tables (activations, CUDA and NCCL workspaces are not counted).\n\n");
 
   double largest = 0;
   for (const Row& r : t.rows) largest = std::max(largest, static_cast<double>(r.report.total()) / 1e9);
@@ -309,16 +311,16 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
   };
   std::printf(
       "| policy | storage | reduce | params | grads | master | optimizer state | model states | ZeRO paper | buckets | "
-      "total |\n"
-      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "tables | total |\n"
+      "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : t.rows) {
     const tandem::MemoryReport& m = r.report;
-    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.policy, storage_name(r.storage),
+    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", r.policy, storage_name(r.storage),
                 tandem::dtype_name(r.reduce), gb(static_cast<double>(m.params)).c_str(),
                 gb(static_cast<double>(m.grads)).c_str(), gb(static_cast<double>(m.master_weights)).c_str(),
                 gb(static_cast<double>(m.optimizer_state)).c_str(), gb(static_cast<double>(m.model_states())).c_str(),
                 r.paper ? gb(*r.paper).c_str() : "-", gb(static_cast<double>(m.buckets)).c_str(),
-                gb(static_cast<double>(m.total())).c_str());
+                gb(static_cast<double>(m.pack_tables)).c_str(), gb(static_cast<double>(m.total())).c_str());
   }
 
   std::printf("\n");
@@ -346,7 +348,9 @@ void print(const Table& t, const Setup& s, const std::string& optimizer, const s
     if (storage == tandem::Storage::user)
       std::printf(
           "- user storage: params and grads are your own buffers, in the parameter dtype. What tandem packs them\n"
-          "  into (flat parameters, fp32 gradient buckets or shard) is under buckets.\n");
+          "  into (flat parameters, fp32 gradient buckets or shard) is under buckets; where each tensor's chunks\n"
+          "  go, under tables (a 16-byte item per 512 elements and a 24-byte record per tensor, for the\n"
+          "  parameters and for the gradients: on every rank, whatever the policy).\n");
     else
       std::printf(
           "- owned storage: backward writes gradients straight into tandem's fp32 buckets, where they are reduced\n"

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -13,6 +14,8 @@
 #include "tandem/tandem.hpp"
 
 namespace {
+
+constexpr int train_samples = 16384, eval_samples = 4096;
 
 struct Settings {
   int ranks = 2;
@@ -76,7 +79,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a small MLP with tandem on N host ranks under each policy, next to 1 rank."};
   app.add_option("--ranks", s.ranks, "ranks (threads) to compare with 1 rank")->check(CLI::Range(1, 64));
   app.add_option("--steps", s.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch", s.batch, "global batch (samples per optimizer step)")->check(CLI::PositiveNumber);
+  app.add_option("--batch", s.batch, "global batch (samples per optimizer step), at most the 16384 training samples")
+      ->check(CLI::Range(1, train_samples));
   app.add_option("--accum", s.accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
   app.add_option("--lr", s.lr, "AdamW learning rate");
   app.add_option("--seed", s.seed, "seed of the data and the initial weights");
@@ -87,19 +91,24 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const mlp::Dataset train_set(16384, s.dims.front(), s.dims.back(), s.seed);
-  const mlp::Dataset eval_set(4096, s.dims.front(), s.dims.back(), s.seed);  // same task, held-out samples
+  const mlp::Dataset train_set(train_samples, s.dims.front(), s.dims.back(), s.seed);
+  const mlp::Dataset eval_set(eval_samples, s.dims.front(), s.dims.back(), s.seed);  // same task, held-out samples
   // (the teacher is drawn first from the same seed, so both sets share it; the samples differ by position)
   std::printf("MLP %d-%d-%d-%d, %d steps of %d samples, AdamW lr %g, accumulation %d\n\n", s.dims[0], s.dims[1],
               s.dims[2], s.dims[3], s.steps, s.batch, s.lr, s.accumulation);
   std::printf("%-17s %5s %8s %10s %8s %10s %9s %10s\n", "policy", "ranks", "time s", "samples/s", "speed-up",
               "final loss", "accuracy", "KiB/rank");
-  const Outcome base = train<tandem::Replicated>(s, 1, train_set, eval_set);
-  print_row("1 rank", 1, s, base, base.seconds);
-  print_row("Replicated", s.ranks, s, train<tandem::Replicated>(s, s.ranks, train_set, eval_set), base.seconds);
-  print_row("OptimizerSharded", s.ranks, s, train<tandem::OptimizerSharded>(s, s.ranks, train_set, eval_set),
-            base.seconds);
-  print_row("GradientSharded", s.ranks, s, train<tandem::GradientSharded>(s, s.ranks, train_set, eval_set),
-            base.seconds);
+  try {
+    const Outcome base = train<tandem::Replicated>(s, 1, train_set, eval_set);
+    print_row("1 rank", 1, s, base, base.seconds);
+    print_row("Replicated", s.ranks, s, train<tandem::Replicated>(s, s.ranks, train_set, eval_set), base.seconds);
+    print_row("OptimizerSharded", s.ranks, s, train<tandem::OptimizerSharded>(s, s.ranks, train_set, eval_set),
+              base.seconds);
+    print_row("GradientSharded", s.ranks, s, train<tandem::GradientSharded>(s, s.ranks, train_set, eval_set),
+              base.seconds);
+  } catch (const std::exception& e) {  // tandem's refusal of an argument (--lr nan, say), or a failure: one line
+    std::fprintf(stderr, "train_mlp: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }

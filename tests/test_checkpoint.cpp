@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Checkpoints: bit-identical resume, resharding across world sizes and policies, corrupt and truncated files,
 // a crash in the middle of a save, and mismatched layouts or optimizers, each failing on every rank; the writer's
-// temporary files (unique per writer, removed when a save fails), the limit on names, ranks loading different files.
+// temporary files (unique per writer, removed when a save fails), the limit on names and the names a checkpoint could
+// not tell apart, ranks loading different files, saves refused where the state is not a training state.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -170,7 +171,7 @@ TEST_CASE("save at 4 ranks, load at 2 and 3 under other policies: the state is r
 }
 
 TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads after it") {
-  const std::string good = temp_path("good"), bad = temp_path("bad");
+  const std::string good = temp_path("good"), bad = temp_path("bad"), resaved = temp_path("resaved");
   train<tandem::Replicated>(2, 0, 3, Action::save, good);
   const std::vector<std::string> shards = shard_files(good);
   REQUIRE(shards.size() == 2);
@@ -217,7 +218,8 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
     std::filesystem::remove_all(bad);
     std::filesystem::copy(good, bad);
     c.damage(bad);
-    std::vector<std::string> messages(3), after(3);
+    std::filesystem::remove_all(resaved);
+    std::vector<std::string> messages(3), after(3), saved(3);
     tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
       mlp::Mlp<float> model(dims, 1);
       test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
@@ -233,6 +235,11 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
       } catch (const tandem::error& e) {
         after[static_cast<std::size_t>(comm.rank())] = e.what();
       }
+      try {  // a half-restored state is no checkpoint: the save is refused, as the step is
+        dp.save_checkpoint(resaved);
+      } catch (const tandem::error& e) {
+        saved[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
       dp.load_checkpoint(good);  // a good checkpoint loads, and training goes on
       CHECK(dp.step_count() == 3);
       dp.step();
@@ -241,10 +248,15 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
       CAPTURE(messages[r]);
       CHECK(messages[r].find(c.want) != std::string::npos);
       CHECK((after[r].find("load a checkpoint that verifies") != std::string::npos) == c.in_restore);
+      CHECK((saved[r].find("save_checkpoint: load_checkpoint failed while restoring") != std::string::npos) ==
+            c.in_restore);
+      CHECK(saved[r].empty() == !c.in_restore);  // an intact state saves
     }
+    CHECK(std::filesystem::exists(resaved + "/manifest.json") == !c.in_restore);
   }
   std::filesystem::remove_all(good);
   std::filesystem::remove_all(bad);
+  std::filesystem::remove_all(resaved);
 }
 
 TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import makes them the initial parameters") {
@@ -281,6 +293,23 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
   // afresh, and training from it equals training from the same parameters set by hand.
   tandem::import_parameters(out, imported);
   CHECK(tandem::verify_checkpoint(imported).manifest.parameters_only);
+  tandem::import_parameters(out, imported);  // a parameters-only checkpoint is replaced
+  // A training run's checkpoint is not, unless told: nothing is lost by an import into the wrong directory.
+  const std::vector<std::string> before = shard_files(dir);
+  CHECK_THROWS_WITH_AS(tandem::import_parameters(out, dir),
+                       doctest::Contains("holds a training checkpoint (step 4, GradientSharded at 3 ranks, with AdamW "
+                                         "state), which the import would replace"),
+                       tandem::error);
+  CHECK(shard_files(dir) == before);
+  CHECK(!tandem::verify_checkpoint(dir).manifest.parameters_only);
+  {
+    const std::string copy = temp_path("tools_copy");
+    std::filesystem::copy(dir, copy);
+    tandem::import_parameters(out, copy, tandem::ExistingCheckpoint::replace);
+    CHECK(tandem::verify_checkpoint(copy).manifest.parameters_only);
+    CHECK(shard_files(copy).size() == 1);  // the training run's shards are gone, the imported file is there
+    std::filesystem::remove_all(copy);
+  }
   Params from_import, by_hand;
   for (bool import : {true, false}) {
     tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
@@ -480,6 +509,64 @@ TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only
     CHECK(temporaries_of(path).empty());
     std::remove(path.c_str());
   }
+}
+
+TEST_CASE("names a checkpoint could not tell apart are refused at construction, naming the tensor") {
+  struct Case {
+    std::vector<std::string> names;
+    tandem::DType dtype;
+    float momentum;    // SGD: one state array with momentum, none without
+    std::string want;  // empty: accepted
+  };
+  const tandem::DType f32 = tandem::DType::fp32, b16 = tandem::DType::bf16;
+  const std::vector<Case> cases = {
+      {{"w", "b", "w"}, f32, 0.0f, "tensor 2 (`w`): a checkpoint would hold two entries named `w`"},
+      {{"w", "__metadata__"}, f32, 0.0f, "tensor 1 (`__metadata__`): the name `__metadata__` is reserved"},
+      {{"master/w", "w"}, b16, 0.0f, "entries named `master/w` (tensor 0 (`master/w`) and the `master/` array of"},
+      {{"w", "state0/w"}, f32, 0.9f, "two entries named `state0/w`"},
+      {{"w", "w[0:2]"}, f32, 0.0f, "tensor 1 (`w[0:2]`) would be named `w[0:2]` in a checkpoint, which reads as"},
+      {{"w", "master/w"}, f32, 0.0f, ""},           // fp32 parameters: no master weights
+      {{"w", "state0/w"}, f32, 0.0f, ""},           // no state arrays
+      {{"w[0:2]", "w[x:2]", "v]"}, f32, 0.9f, ""},  // a suffix alone, or one that is no slice
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.names.size());
+    CAPTURE(c.names.back());
+    std::vector<tandem::TensorSpec> specs;
+    for (const std::string& name : c.names) specs.push_back({name, 4, c.dtype});
+    std::vector<std::string> messages(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      try {
+        test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs, {.lr = 0.1f, .momentum = c.momentum});
+      } catch (const tandem::error& e) {
+        messages[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+    });
+    for (const std::string& m : messages) {
+      CAPTURE(m);
+      if (c.want.empty())
+        CHECK(m.empty());
+      else
+        CHECK(m.find(c.want) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("save_checkpoint refuses a state that is not whole: before the initial parameters, after a move") {
+  const std::string path = temp_path("not_whole");
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    const std::vector<tandem::TensorSpec> specs = {{"w", 8, tandem::DType::fp32}};
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs, {.lr = 0.1f});
+    CHECK_THROWS_WITH_AS(dp.save_checkpoint(path), doctest::Contains("save_checkpoint before broadcast_parameters()"),
+                         tandem::error);
+    CHECK(!std::filesystem::exists(path));
+    dp.broadcast_parameters();
+    comm.barrier();  // both ranks have seen the refusal before either saves
+    dp.save_checkpoint(path);
+    test::DataParallel<tandem::Replicated, tandem::SGD> moved(std::move(dp));
+    CHECK_THROWS_WITH_AS(dp.save_checkpoint(path), doctest::Contains("has been moved from"), tandem::error);
+  });
+  std::filesystem::remove_all(path);
 }
 
 TEST_CASE("ranks that load different checkpoints all throw, and nothing changes; a copy of one is the same one") {

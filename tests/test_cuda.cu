@@ -5,7 +5,8 @@
 //   - AdamW and SGD over a flat shard: bitwise equal to the host (the rounding rule, kernels/detail/rounding.hpp);
 //   - the deterministic sum of squares: equal on two runs, within 1e-12 relative of the host;
 //   - DataParallel<..., CudaBackend, Nccl> at one rank equals DataParallel on the host for all three policies
-//     (clipping, accumulation, grad_ready on a user stream, zero-copy views on the device);
+//     (clipping, accumulation, grad_ready on a user stream, zero-copy views on the device), and its memory_report()
+//     is estimate_memory's with CudaBackend's pack tables;
 //   - with two or more GPUs: NcclGroup over every device equals LocalGroup on the host.
 // And the backend's and the communicator's own contracts:
 //   - a CudaBackend on another device never changes the caller's current device (two or more GPUs);
@@ -232,6 +233,10 @@ std::vector<std::vector<float>> train_cuda(tandem::Nccl& comm, const Run& run) {
   using DP = tandem::DataParallel<P, tandem::AdamW, tandem::CudaBackend, tandem::Nccl>;
   std::vector<std::vector<float>> out;
   auto loop = [&](DP& dp) {
+    // The estimator, given CudaBackend's pack tables, says what this construction allocated.
+    const tandem::Storage storage = run.owned ? tandem::Storage::owned : tandem::Storage::user;
+    CHECK(dp.memory_report() == tandem::estimate_memory<P, tandem::AdamW>(specs, comm.size(), storage, {.lr = 1e-2f},
+                                                                          options, tandem::cuda_pack_table_layout));
     std::vector<float> gf;
     for (int s = 0; s < steps * run.accumulation; ++s) {
       for (std::size_t b = 0; run.owned && b < dp.num_buckets(); ++b) {  // backward: bucket by bucket

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // memory_report() (counted from the actual allocations) equals each policy's formula (docs/design.md), written
-// here from the plan's sizes, and estimate_memory (which allocates nothing) equals both, for the test model at world
-// sizes 1-4, fp32 and bf16, copy and zero-copy storage; and the estimator reproduces the ZeRO paper's table.
+// here from the plan's sizes, and the pack tables' written out from the tensors' (in the streams build, for
+// CudaBackend's layout), and estimate_memory (which allocates nothing) equals both, for the test model at world sizes
+// 1-4, fp32 and bf16, copy and zero-copy storage; and the estimator reproduces the ZeRO paper's table.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -19,11 +20,23 @@ const std::vector<int> dims = {13, 37, 29, 23, 19, 7};
 
 enum class Mode { copy, owned };
 
+// The pack tables of copy mode, written out: for the parameters and for the gradients, a 16-byte item per chunk of
+// each tensor in each of the backend's lists (two on the host, one on CUDA), and a 24-byte record per tensor.
+std::size_t pack_tables(const std::vector<tandem::TensorSpec>& specs, tandem::PackTableLayout layout) {
+  std::size_t bytes = 0;
+  for (const tandem::TensorSpec& t : specs) {
+    std::size_t chunks = 0;
+    for (std::size_t at = 0; at < t.numel; at += layout.chunk_elements) ++chunks;
+    bytes += (layout.ordered ? 2 : 1) * 16 * chunks + 24;
+  }
+  return 2 * bytes;
+}
+
 // The formulas of docs/design.md: Ψ elements of p bytes; F, S, M from the plan; k optimizer states.
 // K: the reused gradient bucket buffers of GradientSharded with owned storage.
 template <class Policy>
 tandem::MemoryReport formula(const tandem::Plan& plan, std::size_t psi, std::size_t p, std::size_t k, Mode mode,
-                             std::size_t K) {
+                             std::size_t K, std::size_t tables) {
   const std::size_t F = plan.total_size(), S = plan.total_shard_size(), M = plan.max_bucket_size();
   const bool sharded_state = Policy::state == tandem::StateSharding::sharded;
   const bool zero2 = Policy::reduction == tandem::GradientReduction::every_micro_step;
@@ -35,6 +48,7 @@ tandem::MemoryReport formula(const tandem::Plan& plan, std::size_t psi, std::siz
     r.params = psi * p;
     r.grads = psi * p;
     r.buckets = p * F + (zero2 ? 4 * M + 4 * S : 4 * F);
+    r.pack_tables = tables;
   } else {
     r.params = p * F;
     r.grads = zero2 ? 4 * S : 4 * F;  // ZeRO-2 keeps only the reduced shard across the step
@@ -57,8 +71,9 @@ void check(int world, Mode mode, int gradient_buffers) {
     const tandem::DataParallelOptions options{
         .bucket_cap_bytes = 3000, .first_bucket_cap_bytes = 1000, .gradient_buffers = gradient_buffers};
     const tandem::Storage storage = mode == Mode::copy ? tandem::Storage::user : tandem::Storage::owned;
+    const tandem::PackTableLayout layout = tandem::pack_table_layout_of<test::Backend>();
     const tandem::MemoryReport estimate =
-        tandem::estimate_memory<Policy, tandem::AdamW>(specs, world, storage, {}, options);
+        tandem::estimate_memory<Policy, tandem::AdamW>(specs, world, storage, {}, options, layout);
     auto verify = [&](const auto& dp) {
       const tandem::Plan& plan = dp.plan();
       CHECK(plan.num_buckets() > 2);
@@ -66,7 +81,8 @@ void check(int world, Mode mode, int gradient_buffers) {
       CHECK(plan.total_size() % static_cast<std::size_t>(world) == 0);
       CHECK(plan.total_shard_size() * static_cast<std::size_t>(world) == plan.total_size());
       const tandem::MemoryReport report = dp.memory_report();
-      CHECK(report == formula<Policy>(plan, psi, sizeof(T), 2, mode, static_cast<std::size_t>(gradient_buffers)));
+      CHECK(report == formula<Policy>(plan, psi, sizeof(T), 2, mode, static_cast<std::size_t>(gradient_buffers),
+                                      pack_tables(specs, layout)));
       CHECK(report == estimate);
     };
     if (mode == Mode::copy)
@@ -100,6 +116,11 @@ TEST_CASE("the estimator rejects what a construction rejects") {
                        doctest::Contains("gradient_buffers is 0"), tandem::error);
   CHECK_THROWS_AS((tandem::estimate_memory<tandem::Replicated, tandem::AdamW>({}, 2, tandem::Storage::user)),
                   tandem::error);
+  for (const std::size_t chunk : {std::size_t{0}, std::size_t{24}})  // a pack table layout no backend can have
+    for (const tandem::Storage storage : {tandem::Storage::user, tandem::Storage::owned})
+      CHECK_THROWS_WITH_AS((tandem::estimate_memory<tandem::Replicated, tandem::AdamW>(
+                               one, 2, storage, {}, {}, {.chunk_elements = chunk, .ordered = false})),
+                           doctest::Contains("it must be a positive multiple of 16"), tandem::error);
 }
 
 // The ZeRO paper's table (Rajbhandari et al. 2020, Figure 1): Psi = 7.5e9 parameters, N = 64, 16-bit parameters and

@@ -312,7 +312,8 @@ TEST_CASE("reduce_dtype: memory: one bucket more in the reduce dtype, a 16-bit s
                 }
               return test::DataParallel<P, tandem::AdamW>(comm, specs, {}, o).memory_report();
             }();
-            CHECK(report == tandem::estimate_memory<P, tandem::AdamW>(specs, world, storage, {}, o));
+            CHECK(report == tandem::estimate_memory<P, tandem::AdamW>(specs, world, storage, {}, o,
+                                                                      tandem::pack_table_layout_of<test::Backend>()));
             if (comm.rank() == 0) held.push_back(report);
           });
         }

@@ -88,13 +88,15 @@ void print_memory_table(const sc::ModelLayout& model, sc::Inputs in, tandem::DTy
   const bool fp32 = dtype == tandem::DType::fp32;
   std::printf("### %s: memory per GPU, %s (MiB)\n\n", model.name.c_str(),
               fp32 ? "fp32 parameters (no master copy), AdamW" : "bf16 parameters, fp32 master weights, AdamW");
-  std::printf("| GPUs | policy | params | grads | master weights | optimizer state | buckets | total |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| GPUs | policy | params | grads | master weights | optimizer state | buckets | pack tables | total |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const sc::PolicyTraits& policy : sc::policies)
     for (int world : worlds) {
       const tandem::MemoryReport m = sc::predict(model, policy, world, in).memory;
-      std::printf("| %d | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", world, policy.name, mib(m.params),
-                  mib(m.grads), mib(m.master_weights), mib(m.optimizer_state), mib(m.buckets), mib(m.total()));
+      std::printf("| %d | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", world, policy.name, mib(m.params),
+                  mib(m.grads), mib(m.master_weights), mib(m.optimizer_state), mib(m.buckets), mib(m.pack_tables),
+                  mib(m.total()));
     }
   std::printf("\n");
 }

@@ -335,12 +335,13 @@ inline double exposed_after(const std::vector<double>& ready, const std::vector<
 /// user's buffers (Storage::user, copy mode), from tandem::estimate_memory; the model keeps no memory rule of its
 /// own. With F, S, M the plan's total, shard and largest bucket sizes and k the optimizer's states: params and grads
 /// psi*p, master weights 4F or 4S (16-bit parameters only), optimizer state 4kF or 4kS, buckets pF + 4F or, under
-/// GradientSharded, pF + 4M + 4S. Activations, workspace and the allocator's slack are not in it.
+/// GradientSharded, pF + 4M + 4S, and CudaBackend's pack tables (about 64 bytes per 1024 elements). Activations,
+/// workspace and the allocator's slack are not in it.
 inline MemoryReport memory_per_gpu(const ModelLayout& layout, const PolicyTraits& policy, int world, const Inputs& in) {
   const std::vector<TensorSpec> specs = tensor_specs(layout, in.param_dtype);
   return with_policy(policy, [&]<tandem::Policy P>() {
     return with_optimizer(in.optimizer_states, [&]<tandem::Optimizer Opt>(const typename Opt::Options& options) {
-      return estimate_memory<P, Opt>(specs, world, Storage::user, options);
+      return estimate_memory<P, Opt>(specs, world, Storage::user, options, {}, cuda_pack_table_layout);
     });
   });
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <iterator>
@@ -76,6 +77,13 @@ struct SortTask {
                                   " and values " + std::to_string(values));
   }
 
+  /// How many distinct lists there are, C(values, length) (saturating at 2^63).
+  std::uint64_t lists() const {
+    double c = 1;  // C(n, k) = prod (n - k + i) / i, exact in double up to 2^53 and then only an estimate
+    for (int i = 1; i <= length; ++i) c = c * double(values - length + i) / double(i);
+    return c >= 9.2e18 ? std::uint64_t{1} << 63 : std::uint64_t(std::llround(c));
+  }
+
   /// `count` examples from `seed`, none of whose lists appears in `exclude` (a held-out split draws with
   /// the training set's lists excluded); their sorted lists are added to `seen` when it is given.
   Examples make(std::size_t count, std::uint64_t seed, const std::set<std::vector<int>>* exclude = nullptr,
@@ -87,11 +95,24 @@ struct SortTask {
     std::vector<int> pool(values);
     std::iota(pool.begin(), pool.end(), 0);
     const int sep = values;
+    // Where `exclude` holds (nearly) every list there is, draws are excluded without end: give up after this many
+    // in a row. A held-out list is then rarer than one draw in 2^20, so the split would take far too long anyway.
+    constexpr std::size_t max_excluded_in_a_row = std::size_t{1} << 20;
+    std::size_t excluded_in_a_row = 0;
     while (ex.size() < count) {
       for (int i = 0; i < length; ++i) std::swap(pool[i], pool[i + rng() % (values - i)]);  // partial shuffle
       std::vector<int> x(pool.begin(), pool.begin() + length), y = x;
       std::sort(y.begin(), y.end());
-      if (exclude && exclude->count(y)) continue;
+      if (exclude && exclude->count(y)) {
+        if (++excluded_in_a_row == max_excluded_in_a_row)
+          throw std::invalid_argument(
+              "sort task: no list is left for the held-out split: the training set holds " +
+              std::to_string(exclude->size()) + " of the " + std::to_string(lists()) + " lists of " +
+              std::to_string(length) + " distinct numbers below " + std::to_string(values) +
+              " (the last 2^20 draws were all training lists); raise --sort-values or lower --sort-length");
+        continue;
+      }
+      excluded_in_a_row = 0;
       if (seen) seen->insert(y);
       // input: x_1..x_k | y_1..y_{k-1} (2k tokens); the target at position i is the token after it, for the
       // separator and y (positions k..2k-1: y_1..y_k); x_k's successor, the separator, is no target.

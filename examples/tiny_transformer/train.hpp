@@ -346,12 +346,16 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   if (!cfg.resume_dir.empty()) {  // tandem: the checkpoint's state, at any rank count and under any policy
     dp.load_checkpoint(cfg.resume_dir);
     first_step = int(dp.step_count());
+    if (first_step >= cfg.steps)  // every rank loaded the same step: they all stop here
+      throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
+                                  std::to_string(first_step) + ", which --steps " + std::to_string(cfg.steps) +
+                                  " does not go past: nothing to train; raise --steps");
   }
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);
   std::vector<int> tokens(std::size_t(local) * len), targets(tokens.size());
   double final_loss = 0;
-  const int window = std::min(10, cfg.steps);
+  const int window = std::min(10, cfg.steps - first_step);  // the final loss: the mean over the last steps run
   auto end_pass = [&] {
     if (passes) passes->finish();
   };

@@ -41,7 +41,8 @@ class Layout {
  public:
   Layout() = default;
 
-  /// Validates names, sizes and dtypes; throws tandem::error naming the first bad tensor.
+  /// Validates sizes and dtypes; throws tandem::error naming the first bad tensor. (The names, which checkpoints
+  /// key by, DataParallel's construction checks: detail::validate_checkpoint_names.)
   TANDEM_COLD explicit Layout(std::vector<TensorSpec> tensors) : tensors_(std::move(tensors)) {
     if (tensors_.empty()) detail::fail("tandem: the layout has no tensors; pass at least one tensor to train");
     std::size_t total = 0;

@@ -6,8 +6,9 @@
 //   consolidate_checkpoint(dir, out, arrays)   the parameters as whole tensors in one safetensors file (with
 //                                              Arrays::all also "master/<name>" and "state<k>/<name>"), for inference,
 //                                              PyTorch or anything else that reads safetensors
-//   import_parameters(in, dir)                 a safetensors file as a parameters-only checkpoint, which
-//                                              DataParallel::load_checkpoint takes as the initial parameters
+//   import_parameters(in, dir[, existing])     a safetensors file as a parameters-only checkpoint, which
+//                                              DataParallel::load_checkpoint takes as the initial parameters (a
+//                                              training run's checkpoint in dir is kept unless told to replace it)
 //   checkpoint_digest(dir)                     a checksum of the whole state, whatever files hold it
 //
 // Each streams its tensors through a few MiB of host memory, checking every slice against its checksum; none holds a
@@ -126,9 +127,33 @@ TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, 
   return writer.commit().bytes;
 }
 
+/// What import_parameters does where `dir` already holds a checkpoint with optimizer state (a training run's).
+enum class ExistingCheckpoint {
+  refuse,  ///< throw tandem::error and change nothing (a parameters-only checkpoint there is replaced)
+  replace  ///< replace it: its files are removed once the imported checkpoint is complete
+};
+
 /// Makes the safetensors file `in` (all of its tensors of one dtype: F32, BF16 or F16; any shapes, flattened) a
-/// parameters-only checkpoint in `dir`, replacing a checkpoint there. Returns its manifest.
-TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, const std::string& dir) {
+/// parameters-only checkpoint in `dir`, replacing a parameters-only checkpoint there. Where `dir` holds a training
+/// run's checkpoint (optimizer state, or a manifest.json that does not read), it throws and changes nothing unless
+/// `existing` is ExistingCheckpoint::replace. Returns the new manifest.
+TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, const std::string& dir,
+                                                        ExistingCheckpoint existing = ExistingCheckpoint::refuse) {
+  if (existing == ExistingCheckpoint::refuse && std::filesystem::exists(dir + "/" + detail::manifest_name)) {
+    std::string held;
+    try {
+      const CheckpointManifest old = detail::read_manifest(dir);
+      if (!old.parameters_only)
+        held = "a training checkpoint (step " + std::to_string(old.step) + ", " + old.policy + " at " +
+               std::to_string(old.world_size) + " ranks, with " + old.optimizer + " state)";
+    } catch (const error& e) {
+      held = std::string("a manifest.json that does not read (") + e.what() + ")";
+    }
+    if (!held.empty())
+      detail::fail("tandem: import_parameters: `" + dir + "` holds " + held +
+                   ", which the import would replace; import into another directory, or pass "
+                   "ExistingCheckpoint::replace (tandem_checkpoint import --replace). Nothing was changed");
+  }
   const SafetensorsFile file(in);
   if (file.tensors().empty()) file.corrupt("it holds no tensors");
   CheckpointManifest m;

@@ -364,8 +364,12 @@ class DataParallel {
   /// file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes manifest.json,
   /// which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the previous
   /// checkpoint in `dir` whole; after it, the previous one's files are removed. Collective; call it between optimizer
-  /// steps, not inside an accumulation window. If any rank fails, every rank throws tandem::error.
+  /// steps, not inside an accumulation window. If any rank fails, every rank throws tandem::error. It refuses, as
+  /// step() does, a state that a failed load_checkpoint left partly overwritten and, with owned storage, one whose
+  /// initial parameters were never set (broadcast_parameters, initialize_parameters), so that it never replaces a
+  /// good checkpoint with one that is not a training state.
   TANDEM_COLD void save_checkpoint(const std::string& dir) {
+    check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
@@ -532,9 +536,12 @@ class DataParallel {
   }
 
   /// Bytes this rank holds for training, by category (see MemoryReport), counted from the actual allocations.
-  /// estimate_memory (front/estimate.hpp) gives the same figures without constructing anything.
+  /// estimate_memory (front/estimate.hpp), given pack_table_layout_of<Backend>(), gives the same figures without
+  /// constructing anything.
   TANDEM_COLD MemoryReport memory_report() const {
-    return memory_of(state_.held(), buffer_inputs(), layout_.total_numel(), state_.state_count());
+    MemoryReport r = memory_of(state_.held(), buffer_inputs(), layout_.total_numel(), state_.state_count());
+    r.pack_tables = param_tables_.bytes() + grad_tables_.bytes();
+    return r;
   }
 
   /// Owned storage only: tensor i's parameters, a view into tandem's parameter buckets. T must be the
@@ -1035,12 +1042,18 @@ class DataParallel {
   };
 
   void check_stepping(const char* what) const {
-    if (!live_.yes) detail::fail(std::string("tandem: ") + what + " on a DataParallel that has been moved from");
-    if (!restore_failed_.empty()) detail::fail(std::string("tandem: ") + what + ": " + restore_failed_);
+    check_state_whole(what);
     if (!broken_.empty())
       detail::fail(std::string("tandem: ") + what + ": " + broken_ +
                    "; discard_gradients() (on every rank) or load_checkpoint starts a clean window");
     check_groups(what);
+  }
+
+  /// That the parameters and the optimizer state are a whole training state: not moved from, not partly overwritten
+  /// by a failed load, and initialized on every rank.
+  void check_state_whole(const char* what) const {
+    if (!live_.yes) detail::fail(std::string("tandem: ") + what + " on a DataParallel that has been moved from");
+    if (!restore_failed_.empty()) detail::fail(std::string("tandem: ") + what + ": " + restore_failed_);
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
                    (state_.param_flat() == nullptr
@@ -1400,6 +1413,7 @@ class DataParallel {
       Opt::validate(groups_[0]);
       layout_ = Layout(std::move(specs));
       detail::validate_one_dtype(layout_);
+      detail::validate_checkpoint_names(layout_, Opt::state_count(groups_[0]));
       if (storage_ == Storage::user) detail::validate_user_buffers(layout_, refs_);
     } catch (const std::exception& e) {
       problem = e.what();

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The memory estimator: the MemoryReport that DataParallel<P, Opt> would report on one rank, computed from the
 // tensor list alone. It cuts the same plan (detail::plan_for, public as bucket_plan) and applies the policy's buffer
-// rule (buffers_for<P>) and the one categorisation (memory_of), allocating nothing, so it answers "does this fit?" for
-// any world size before any rank exists. tests/test_memory_report.cpp holds it equal to memory_report() of real
-// constructions.
+// rule (buffers_for<P>) and the one categorisation (memory_of), and sizes the pack tables (pack_tables_bytes),
+// allocating nothing, so it answers "does this fit?" for any world size before any rank exists.
+// tests/test_memory_report.cpp holds it equal to memory_report() of real constructions.
 #pragma once
 
 #include <string>
@@ -14,6 +14,7 @@
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/options.hpp"
 #include "tandem/kernels/optimizer.hpp"
+#include "tandem/kernels/pack.hpp"
 #include "tandem/policy/policy.hpp"
 
 namespace tandem {
@@ -30,20 +31,28 @@ TANDEM_COLD inline Plan bucket_plan(std::vector<TensorSpec> tensors, int world_s
   return detail::plan_for(layout, options, world_size);
 }
 
-/// What DataParallel<P, Opt>'s memory_report() would return on each rank of a group of `world_size` for these
-/// tensors, with `storage` (Storage::user: built from TensorRefs; Storage::owned: from TensorSpecs). Throws
-/// tandem::error for arguments the construction would reject.
+/// What DataParallel<P, Opt, Backend>'s memory_report() would return on each rank of a group of `world_size` for these
+/// tensors, with `storage` (Storage::user: built from TensorRefs; Storage::owned: from TensorSpecs). `pack_tables` is
+/// the backend's layout of its pack tables (pack_table_layout_of<Backend>(): the default is HostBackend's,
+/// cuda_pack_table_layout CudaBackend's). It sets MemoryReport::pack_tables alone, and the two differ there only for
+/// tensors whose size is not a multiple of 1024 elements. Throws tandem::error for arguments the construction would
+/// reject.
 template <Policy P, Optimizer Opt>
 TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int world_size, Storage storage,
                                          const typename Opt::Options& optimizer = {},
-                                         const DataParallelOptions& options = {}) {
+                                         const DataParallelOptions& options = {},
+                                         PackTableLayout pack_tables = PackTableLayout{}) {
   Opt::validate(optimizer);
+  detail::check_chunk_elements(pack_tables.chunk_elements);
   const DType dtype = tensors.empty() ? DType::fp32 : tensors[0].dtype;
   std::size_t numel = 0;
   for (const TensorSpec& t : tensors) numel += t.numel;
   const Plan plan = bucket_plan(std::move(tensors), world_size, options);
   const BufferInputs in = detail::buffer_inputs(plan, dtype, storage, options);
-  return memory_of(buffers_for<P>(in), in, numel, Opt::state_count(optimizer));
+  MemoryReport r = memory_of(buffers_for<P>(in), in, numel, Opt::state_count(optimizer));
+  // Copy mode keeps a table of every bucket for the parameters (unpack) and one for the gradients (pack).
+  if (storage == Storage::user) r.pack_tables = 2 * pack_tables_bytes(plan, pack_tables);
+  return r;
 }
 
 }  // namespace tandem

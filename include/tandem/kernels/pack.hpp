@@ -118,12 +118,20 @@ struct PackTable {
   std::size_t size() const { return reading_bucket.size(); }
 };
 
+namespace detail {
+/// A pack table's item size (PackTableLayout::chunk_elements): a positive multiple of 16 below 2^32.
+TANDEM_COLD inline void check_chunk_elements(std::size_t chunk_elements) {
+  if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
+    fail("tandem: pack chunk_elements is " + std::to_string(chunk_elements) +
+         "; it must be a positive multiple of 16 below 2^32");
+}
+}  // namespace detail
+
 /// Builds the table of the buckets `run` (consecutive); user_pointers[i] is layout tensor i's buffer (param or grad).
 /// Items are of at most `chunk_elements` elements: the backend's (pack_table_layout_of<Backend>().chunk_elements).
 TANDEM_COLD inline PackTable make_pack_table(const Plan& plan, Range run, const std::vector<void*>& user_pointers,
                                              std::size_t chunk_elements = PackTableLayout{}.chunk_elements) {
-  if (chunk_elements == 0 || chunk_elements % 16 != 0 || chunk_elements > UINT32_MAX)
-    detail::fail("tandem: pack chunk_elements must be a positive multiple of 16 below 2^32");
+  detail::check_chunk_elements(chunk_elements);
   if (run.begin >= run.end || run.end > plan.num_buckets())
     detail::fail("tandem: make_pack_table: buckets [" + std::to_string(run.begin) + ", " + std::to_string(run.end) +
                  ") are not a non-empty range of the plan's " + std::to_string(plan.num_buckets()));
@@ -235,6 +243,21 @@ class ResidentPackTables {
   std::vector<PackTableView> views_;
   std::vector<std::vector<std::size_t>> bucket_items_;  ///< PackTable::bucket_items of each table
 };
+
+/// The bytes ResidentPackTables holds for the tables of every bucket of `plan` in one direction (the parameters', or
+/// the gradients'), however the buckets are grouped into runs, with a backend's `layout`: a PackItem (16 bytes) per
+/// chunk of each tensor in each list, and a PackTensor (24 bytes) per tensor. Computed from the plan alone, for
+/// estimate_memory.
+TANDEM_COLD inline std::size_t pack_tables_bytes(const Plan& plan, PackTableLayout layout) {
+  detail::check_chunk_elements(layout.chunk_elements);
+  std::size_t items = 0, tensors = 0;
+  for (std::size_t b = 0; b < plan.num_buckets(); ++b)
+    for (const std::size_t i : plan.bucket(b).tensors) {
+      items += (plan.placement(i).numel + layout.chunk_elements - 1) / layout.chunk_elements;
+      ++tensors;
+    }
+  return (layout.ordered ? 2 : 1) * items * sizeof(PackItem) + tensors * sizeof(PackTensor);
+}
 
 /// The body of a pack or unpack launch over one bucket.
 template <class UserT, class BucketT, PackDirection Direction, WriteMode Mode = WriteMode::assign>

@@ -24,20 +24,23 @@ enum class Storage {
   owned  ///< tandem's (TensorSpec): the user's tensors are views into tandem's buckets (zero-copy)
 };
 
-/// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers and
-/// `buckets` is everything else tandem allocates besides master weights and optimizer state (its flat copies and the
-/// shard accumulator too); with Storage::owned, `params` and `grads` are tandem's storage that lives across the step,
-/// and `buckets` is its transient storage. Not counted: the pack tables (64 bytes per 1024 elements), the gradient
-/// norm's buffers (a few words per bucket, and on CUDA a double per 4096 elements of the largest range summed, with
-/// CUB's temporary storage: about 13 KB for a 25 MB bucket; from the first clipped or checked step), and the backend's
-/// and communicator's own workspaces.
+/// Bytes per rank held for training, by category. With Storage::user, `params` and `grads` are the user's buffers,
+/// `buckets` is every buffer tandem allocates besides master weights and optimizer state (its flat copies and the
+/// shard accumulator too), and `pack_tables` the tables its pack and unpack launches read (kernels/pack.hpp); with
+/// Storage::owned, `params` and `grads` are tandem's storage that lives across the step, `buckets` is its transient
+/// storage, and there are no pack tables. Not counted: the gradient norm's buffers (a few words per bucket, and on CUDA
+/// a double per 4096 elements of the largest range summed, with CUB's temporary storage: about 13 KB for a 25 MB
+/// bucket; from the first clipped or checked step), and the backend's and communicator's own workspaces.
 struct MemoryReport {
   std::size_t params = 0;           ///< parameter storage
   std::size_t grads = 0;            ///< gradient storage (the user's buffers, or what tandem keeps across the step)
   std::size_t master_weights = 0;   ///< fp32 master copies of 16-bit parameters
   std::size_t optimizer_state = 0;  ///< optimizer moments
   std::size_t buckets = 0;          ///< tandem's communication buffers and accumulators
-  std::size_t total() const { return params + grads + master_weights + optimizer_state + buckets; }
+  /// Storage::user: the pack tables of the parameters and of the gradients, in backend memory (pack_tables_bytes:
+  /// about 64 bytes per 1024 elements, on every rank whatever the policy)
+  std::size_t pack_tables = 0;
+  std::size_t total() const { return params + grads + master_weights + optimizer_state + buckets + pack_tables; }
   std::size_t model_states() const { return params + grads + master_weights + optimizer_state; }
   friend bool operator==(const MemoryReport&, const MemoryReport&) = default;
 };
@@ -72,6 +75,8 @@ struct Buffers {
 
 /// The memory report of a set of buffers: the categories of MemoryReport, one rule for every policy. `numel` is the
 /// layout's element count (the user's buffers' size with Storage::user); `state_count` the optimizer's arrays.
+/// `pack_tables` is left 0: the tables are not buffers of the policy's rule (DataParallel and estimate_memory add
+/// them).
 inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::size_t numel, std::size_t state_count) {
   const std::size_t p = dtype_size(in.param_dtype), f = sizeof(float);
   const std::size_t shard = b.grad_shard * dtype_size(b.grad_shard_dtype);

@@ -22,6 +22,8 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -90,6 +92,56 @@ inline std::vector<CheckpointArray> checkpoint_arrays(DType param_dtype, std::si
   for (std::size_t k = 0; k < state_count; ++k)
     arrays.push_back({Kind::state, k, DType::fp32, "state" + std::to_string(k) + "/"});
   return arrays;
+}
+
+/// Whether `name` ends in a slice suffix "[begin:end]" (slice_suffix); `base` is then what comes before it.
+inline bool has_slice_suffix(std::string_view name, std::string_view& base) {
+  if (!name.ends_with(']')) return false;
+  const std::size_t open = name.rfind('[');
+  if (open == std::string_view::npos) return false;
+  const std::string_view inside = name.substr(open + 1, name.size() - open - 2);
+  const std::size_t colon = inside.find(':');
+  auto digits = [](std::string_view d) {
+    return !d.empty() && std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (colon == std::string_view::npos || !digits(inside.substr(0, colon)) || !digits(inside.substr(colon + 1)))
+    return false;
+  base = name.substr(0, open);
+  return true;
+}
+
+/// Checks, when DataParallel is constructed, that a checkpoint of `layout` (its parameters in the first tensor's
+/// dtype, `state_count` optimizer state arrays) can name every array of every tensor apart: no two tensors share a
+/// name, none is the safetensors header's `__metadata__`, none reads as another's master weights or state
+/// ("master/<name>", "state<k>/<name>") or as a slice of another ("<name>[begin:end]"). Else the first save would fail,
+/// hours in.
+TANDEM_COLD inline void validate_checkpoint_names(const Layout& layout, std::size_t state_count) {
+  const std::vector<CheckpointArray> arrays = checkpoint_arrays(layout[0].dtype, state_count);
+  auto what = [&](const CheckpointArray& a, std::size_t i) {
+    return a.prefix.empty() ? layout.describe(i) : "the `" + a.prefix + "` array of " + layout.describe(i);
+  };
+  std::unordered_map<std::string, std::pair<const CheckpointArray*, std::size_t>> names;
+  for (const CheckpointArray& a : arrays)
+    for (std::size_t i = 0; i < layout.size(); ++i) {
+      const std::string name = a.prefix + layout[i].name;
+      if (name == "__metadata__")
+        fail("tandem: " + layout.describe(i) +
+             ": the name `__metadata__` is reserved by safetensors, the format of checkpoints; rename the tensor");
+      const auto [at, fresh] = names.try_emplace(name, &a, i);
+      if (!fresh)
+        fail("tandem: " + layout.describe(i) + ": a checkpoint would hold two entries named `" + name + "` (" +
+             what(*at->second.first, at->second.second) + " and " + what(a, i) +
+             "); tensor names must be unique, and none may be another's prefixed by `master/` "
+             "or `state<k>/`");
+    }
+  for (const auto& [name, owner] : names) {
+    std::string_view base;
+    if (has_slice_suffix(name, base))
+      if (const auto other = names.find(std::string(base)); other != names.end())
+        fail("tandem: " + what(*owner.first, owner.second) + " would be named `" + name +
+             "` in a checkpoint, which reads as elements of " + what(*other->second.first, other->second.second) +
+             "; rename the tensor (no name may end in `[begin:end]` after another's)");
+  }
 }
 
 /// Elements [begin, end) of layout tensor `tensor`; its first element is at `flat` of the plan's flat space.
