@@ -270,6 +270,7 @@ void BM_open_shard(benchmark::State& state, const char* layout) {
   std::filesystem::remove_all(dir);
   tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
     tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, specs_of(sizes));
+    dp.broadcast_parameters();  // owned storage: the initial parameters are set (a save refuses a state without them)
     dp.save_checkpoint(dir);
   });
   const std::string path = files_of(dir).at(0).first;

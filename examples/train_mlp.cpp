@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", s.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", s.batch, "global batch (samples per optimizer step), at most the 16384 training samples")
       ->check(CLI::Range(1, train_samples));
-  app.add_option("--accum", s.accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--accum", s.accumulation, "micro-steps per optimizer step")->check(CLI::Range(1, train_samples));
   app.add_option("--lr", s.lr, "AdamW learning rate");
   app.add_option("--seed", s.seed, "seed of the data and the initial weights");
   CLI11_PARSE(app, argc, argv);

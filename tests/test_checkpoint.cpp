@@ -511,7 +511,21 @@ TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only
   }
 }
 
-TEST_CASE("names a checkpoint could not tell apart are refused at construction, naming the tensor") {
+// Every rank's verdict on constructing DataParallel<Replicated, SGD> over `specs` at `world` ranks: "" where it is
+// built.
+std::vector<std::string> construct(const std::vector<tandem::TensorSpec>& specs, int world, float momentum) {
+  std::vector<std::string> messages(static_cast<std::size_t>(world));
+  tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+    try {
+      test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs, {.lr = 0.1f, .momentum = momentum});
+    } catch (const tandem::error& e) {
+      messages[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  return messages;
+}
+
+TEST_CASE("names a checkpoint could not tell apart are refused at construction, on every rank") {
   struct Case {
     std::vector<std::string> names;
     tandem::DType dtype;
@@ -519,37 +533,46 @@ TEST_CASE("names a checkpoint could not tell apart are refused at construction, 
     std::string want;  // empty: accepted
   };
   const tandem::DType f32 = tandem::DType::fp32, b16 = tandem::DType::bf16;
+  const std::string whole = "a checkpoint of this layout would hold ";
   const std::vector<Case> cases = {
-      {{"w", "b", "w"}, f32, 0.0f, "tensor 2 (`w`): a checkpoint would hold two entries named `w`"},
-      {{"w", "__metadata__"}, f32, 0.0f, "tensor 1 (`__metadata__`): the name `__metadata__` is reserved"},
-      {{"master/w", "w"}, b16, 0.0f, "entries named `master/w` (tensor 0 (`master/w`) and the `master/` array of"},
-      {{"w", "state0/w"}, f32, 0.9f, "two entries named `state0/w`"},
-      {{"w", "w[0:2]"}, f32, 0.0f, "tensor 1 (`w[0:2]`) would be named `w[0:2]` in a checkpoint, which reads as"},
-      {{"w", "master/w"}, f32, 0.0f, ""},           // fp32 parameters: no master weights
-      {{"w", "state0/w"}, f32, 0.0f, ""},           // no state arrays
-      {{"w[0:2]", "w[x:2]", "v]"}, f32, 0.9f, ""},  // a suffix alone, or one that is no slice
+      {{"w", "b", "w"}, f32, 0.0f, whole + "two tensors named `w`; a checkpoint keys each array"},
+      {{"w", "__metadata__"}, f32, 0.0f, whole + "a tensor named `__metadata__`, the safetensors header's key"},
+      {{"master/w", "w"}, b16, 0.0f, whole + "two tensors named `master/w`"},
+      {{"w", "state0/w"}, f32, 0.9f, whole + "two tensors named `state0/w`"},
+      {{"w", "master/w"}, f32, 0.0f, ""},  // fp32 parameters: no master weights
+      {{"w", "state0/w"}, f32, 0.0f, ""},  // no state arrays
+      {{"w", "w[0:2]"}, f32, 0.9f, ""},    // no shard cuts `w` (4 elements) at [0:2]
   };
   for (const Case& c : cases) {
-    CAPTURE(c.names.size());
     CAPTURE(c.names.back());
     std::vector<tandem::TensorSpec> specs;
     for (const std::string& name : c.names) specs.push_back({name, 4, c.dtype});
-    std::vector<std::string> messages(2);
-    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
-      try {
-        test::DataParallel<tandem::Replicated, tandem::SGD> dp(comm, specs, {.lr = 0.1f, .momentum = c.momentum});
-      } catch (const tandem::error& e) {
-        messages[static_cast<std::size_t>(comm.rank())] = e.what();
-      }
-    });
-    for (const std::string& m : messages) {
+    for (const std::string& m : construct(specs, 2, c.momentum)) {
       CAPTURE(m);
-      if (c.want.empty())
-        CHECK(m.empty());
-      else
-        CHECK(m.find(c.want) != std::string::npos);
+      CHECK((c.want.empty() ? m.empty() : m.find(c.want) != std::string::npos));
     }
   }
+  // A name that is a piece of another where the shards cut it: refused at that world size only (the plan does not
+  // depend on names, so the piece is found first from a layout without the clash).
+  const std::vector<tandem::TensorSpec> plain = {{"a", 4, f32}, {"w", 100, f32}};
+  const tandem::Plan plan = tandem::bucket_plan(plain, 2);
+  std::string piece, shard;  // the piece of `w` in the shard file that holds `a`
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<tandem::detail::Slice> slices = tandem::detail::shard_slices(plan, rank);
+    if (std::ranges::none_of(slices, [](const auto& s) { return s.tensor == 0; })) continue;
+    for (const tandem::detail::Slice& s : slices)
+      if (s.tensor == 1 && s.end - s.begin < 100)
+        piece = "w[" + std::to_string(s.begin) + ":" + std::to_string(s.end) + "]";
+    shard = "rank " + std::to_string(rank) + "'s checkpoint shard at this world size";
+  }
+  REQUIRE(!piece.empty());  // 100 elements cross the shard boundary of a 128-element bucket, beside `a` on one side
+  std::vector<tandem::TensorSpec> clash = plain;
+  clash[0].name = piece;
+  for (const std::string& m : construct(clash, 2, 0.0f)) {  // the rank that finds it, and the other, told by it
+    CAPTURE(m);
+    CHECK(m.find(shard + " would hold two tensors named `" + piece + "`") != std::string::npos);
+  }
+  for (const std::string& m : construct(clash, 1, 0.0f)) CHECK(m.empty());
 }
 
 TEST_CASE("save_checkpoint refuses a state that is not whole: before the initial parameters, after a move") {

@@ -81,6 +81,21 @@ namespace detail {
 /// The largest header tandem reads (the reference implementation's limit).
 inline constexpr std::uint64_t safetensors_max_header = std::uint64_t{100} << 20;
 
+/// That a file of `entries` can name each apart: no two share a name, and none is `__metadata__` (the header's key for
+/// the file's metadata). Throws tandem::error saying that `what` would hold them, then `advice`.
+TANDEM_COLD inline void check_entry_names(const std::vector<SafetensorsEntry>& entries, const std::string& what,
+                                          const std::string& advice = "") {
+  for (const SafetensorsEntry& e : entries)
+    if (e.name == "__metadata__")
+      fail("tandem: " + what +
+           " would hold a tensor named `__metadata__`, the safetensors header's key for its metadata" + advice);
+  NameIndex names;
+  const std::size_t repeated =
+      names.build(entries.size(), [&](std::size_t k) -> std::string_view { return entries[k].name; });
+  if (repeated != entries.size())
+    fail("tandem: " + what + " would hold two tensors named `" + entries[repeated].name + "`" + advice);
+}
+
 }  // namespace detail
 
 class SafetensorsWriter {
@@ -89,11 +104,7 @@ class SafetensorsWriter {
   SafetensorsWriter(std::string path, std::vector<SafetensorsEntry> entries,
                     std::vector<std::pair<std::string, std::string>> metadata, std::string what)
       : file_(std::move(path), what), entries_(std::move(entries)), metadata_(std::move(metadata)) {
-    detail::NameIndex names;
-    const std::size_t repeated =
-        names.build(entries_.size(), [&](std::size_t k) -> std::string_view { return entries_[k].name; });
-    if (repeated != entries_.size())
-      detail::fail("tandem: " + what + " would hold two tensors named `" + entries_[repeated].name + "`");
+    detail::check_entry_names(entries_, what);
     for (const auto& [k, v] : metadata_)
       if (k == "crc32c" || k.starts_with("crc32c/"))
         detail::fail("tandem: " + what + " cannot take metadata `" + k + "`: the writer records the checksums there");

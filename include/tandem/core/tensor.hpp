@@ -17,7 +17,7 @@ namespace tandem {
 /// One trainable tensor as the user holds it: a parameter buffer and its gradient buffer, both `numel`
 /// elements of `dtype`, in memory of the backend the tensor is used with. tandem never owns these.
 struct TensorRef {
-  std::string name;
+  std::string name;  ///< unique in a DataParallel's layout: checkpoints key by it (detail::validate_checkpoint_names)
   void* param = nullptr;
   void* grad = nullptr;
   std::size_t numel = 0;
@@ -26,7 +26,7 @@ struct TensorRef {
 
 /// What a tensor is, without where it lives: enough to plan buckets and to check that ranks agree.
 struct TensorSpec {
-  std::string name;
+  std::string name;  ///< as TensorRef::name
   std::size_t numel = 0;
   DType dtype = DType::fp32;
 };

@@ -110,10 +110,7 @@ TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, 
   const CheckpointManifest m = detail::read_manifest(dir);
   std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
   if (which == Arrays::parameters) arrays.resize(1);
-  std::vector<SafetensorsEntry> entries;
-  for (const detail::CheckpointArray& a : arrays)
-    for (const TensorSpec& t : m.tensors) entries.push_back({a.prefix + t.name, a.dtype, t.numel});
-  SafetensorsWriter writer(out, std::move(entries),
+  SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays),
                            {{"format", "pt"},
                             {"tandem_step", std::to_string(m.step)},
                             {"tandem_policy", m.policy},

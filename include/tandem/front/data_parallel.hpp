@@ -1433,6 +1433,7 @@ class DataParallel {
     ready_.assign(layout_.size(), 0);
     bucket_ready_.assign(plan_.num_buckets(), 0);
     try {  // a rank that cannot allocate says so on every rank, so that none waits for it in a collective
+      detail::validate_checkpoint_names(plan_, layout_, Opt::state_count(groups_[0]), rank_);
       allocate();
       plan_runs();
       build_segments();

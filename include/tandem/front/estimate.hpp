@@ -36,7 +36,7 @@ TANDEM_COLD inline Plan bucket_plan(std::vector<TensorSpec> tensors, int world_s
 /// the backend's layout of its pack tables (pack_table_layout_of<Backend>(): the default is HostBackend's,
 /// cuda_pack_table_layout CudaBackend's). It sets MemoryReport::pack_tables alone, and the two differ there only for
 /// tensors whose size is not a multiple of 1024 elements. Throws tandem::error for arguments the construction would
-/// reject.
+/// reject, the tensors' names aside (the construction checks that a checkpoint can tell them apart).
 template <Policy P, Optimizer Opt>
 TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int world_size, Storage storage,
                                          const typename Opt::Options& optimizer = {},

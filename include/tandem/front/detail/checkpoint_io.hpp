@@ -23,7 +23,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -94,56 +93,6 @@ inline std::vector<CheckpointArray> checkpoint_arrays(DType param_dtype, std::si
   return arrays;
 }
 
-/// Whether `name` ends in a slice suffix "[begin:end]" (slice_suffix); `base` is then what comes before it.
-inline bool has_slice_suffix(std::string_view name, std::string_view& base) {
-  if (!name.ends_with(']')) return false;
-  const std::size_t open = name.rfind('[');
-  if (open == std::string_view::npos) return false;
-  const std::string_view inside = name.substr(open + 1, name.size() - open - 2);
-  const std::size_t colon = inside.find(':');
-  auto digits = [](std::string_view d) {
-    return !d.empty() && std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
-  };
-  if (colon == std::string_view::npos || !digits(inside.substr(0, colon)) || !digits(inside.substr(colon + 1)))
-    return false;
-  base = name.substr(0, open);
-  return true;
-}
-
-/// Checks, when DataParallel is constructed, that a checkpoint of `layout` (its parameters in the first tensor's
-/// dtype, `state_count` optimizer state arrays) can name every array of every tensor apart: no two tensors share a
-/// name, none is the safetensors header's `__metadata__`, none reads as another's master weights or state
-/// ("master/<name>", "state<k>/<name>") or as a slice of another ("<name>[begin:end]"). Else the first save would fail,
-/// hours in.
-TANDEM_COLD inline void validate_checkpoint_names(const Layout& layout, std::size_t state_count) {
-  const std::vector<CheckpointArray> arrays = checkpoint_arrays(layout[0].dtype, state_count);
-  auto what = [&](const CheckpointArray& a, std::size_t i) {
-    return a.prefix.empty() ? layout.describe(i) : "the `" + a.prefix + "` array of " + layout.describe(i);
-  };
-  std::unordered_map<std::string, std::pair<const CheckpointArray*, std::size_t>> names;
-  for (const CheckpointArray& a : arrays)
-    for (std::size_t i = 0; i < layout.size(); ++i) {
-      const std::string name = a.prefix + layout[i].name;
-      if (name == "__metadata__")
-        fail("tandem: " + layout.describe(i) +
-             ": the name `__metadata__` is reserved by safetensors, the format of checkpoints; rename the tensor");
-      const auto [at, fresh] = names.try_emplace(name, &a, i);
-      if (!fresh)
-        fail("tandem: " + layout.describe(i) + ": a checkpoint would hold two entries named `" + name + "` (" +
-             what(*at->second.first, at->second.second) + " and " + what(a, i) +
-             "); tensor names must be unique, and none may be another's prefixed by `master/` "
-             "or `state<k>/`");
-    }
-  for (const auto& [name, owner] : names) {
-    std::string_view base;
-    if (has_slice_suffix(name, base))
-      if (const auto other = names.find(std::string(base)); other != names.end())
-        fail("tandem: " + what(*owner.first, owner.second) + " would be named `" + name +
-             "` in a checkpoint, which reads as elements of " + what(*other->second.first, other->second.second) +
-             "; rename the tensor (no name may end in `[begin:end]` after another's)");
-  }
-}
-
 /// Elements [begin, end) of layout tensor `tensor`; its first element is at `flat` of the plan's flat space.
 struct Slice {
   std::size_t tensor = 0, begin = 0, end = 0, flat = 0, bucket = 0;
@@ -198,6 +147,49 @@ inline bool is_slice_name(std::string_view name, const CheckpointArray& a, const
   return name == slice_suffix(begin, end, t.numel, buffer);
 }
 
+/// The entries of a shard file (write_shard) whose tensor pieces are `slices` (shard_slices), in file order: each
+/// array's slice of each piece.
+inline std::vector<SafetensorsEntry> shard_entries(const Layout& layout, const std::vector<CheckpointArray>& arrays,
+                                                   const std::vector<Slice>& slices) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(arrays.size() * slices.size());
+  for (const CheckpointArray& a : arrays)
+    for (const Slice& s : slices)
+      entries.push_back({slice_name(a, layout[s.tensor], s.begin, s.end), a.dtype, s.end - s.begin});
+  return entries;
+}
+
+/// The entries of a file that holds `arrays` of every tensor whole (consolidate_checkpoint), in file order.
+inline std::vector<SafetensorsEntry> whole_entries(const std::vector<TensorSpec>& tensors,
+                                                   const std::vector<CheckpointArray>& arrays) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(arrays.size() * tensors.size());
+  for (const CheckpointArray& a : arrays)
+    for (const TensorSpec& t : tensors) entries.push_back({a.prefix + t.name, a.dtype, t.numel});
+  return entries;
+}
+
+/// What a checkpoint whose names clash is told to do.
+inline constexpr const char* checkpoint_names_advice =
+    "; a checkpoint keys each array of a tensor by its name (`<name>`, `master/<name>`, `state<k>/<name>`, and "
+    "`<name>[begin:end]` where a shard cuts it): rename the tensor";
+
+/// Checks, as DataParallel is constructed, that a checkpoint of `layout` (parameters in its tensors' dtype,
+/// `state_count` optimizer state arrays) can name every entry apart, so that no save fails on it hours in. This one
+/// checks the consolidated file of every array, whatever the world size: two tensors of one name, `__metadata__`, a
+/// name that is another's with `master/` or `state<k>/` before it.
+TANDEM_COLD inline void validate_checkpoint_names(const Layout& layout, std::size_t state_count) {
+  check_entry_names(whole_entries(layout.tensors(), checkpoint_arrays(layout[0].dtype, state_count)),
+                    "a checkpoint of this layout", checkpoint_names_advice);
+}
+/// ... and this one rank `rank`'s shard file at `plan`: a name that is another's with the `[begin:end]` of a piece
+/// this plan cuts after it.
+TANDEM_COLD inline void validate_checkpoint_names(const Plan& plan, const Layout& layout, std::size_t state_count,
+                                                  int rank) {
+  check_entry_names(shard_entries(layout, checkpoint_arrays(layout[0].dtype, state_count), shard_slices(plan, rank)),
+                    "rank " + std::to_string(rank) + "'s checkpoint shard at this world size", checkpoint_names_advice);
+}
+
 /// Bytes a checkpoint streams through host memory at a time.
 inline constexpr std::size_t checkpoint_chunk_bytes = std::size_t{8} << 20;
 
@@ -224,13 +216,9 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
                                            const std::string& path) {
   const std::vector<CheckpointArray> arrays = checkpoint_arrays(param_dtype, state.state_count());
   const std::vector<Slice> slices = shard_slices(plan, rank);
-  std::vector<SafetensorsEntry> entries;
+  std::vector<SafetensorsEntry> entries = shard_entries(layout, arrays, slices);
   std::size_t largest = 0;
-  for (const CheckpointArray& a : arrays)
-    for (const Slice& s : slices) {
-      entries.push_back({slice_name(a, layout[s.tensor], s.begin, s.end), a.dtype, s.end - s.begin});
-      largest = std::max(largest, (s.end - s.begin) * dtype_size(a.dtype));
-    }
+  for (const SafetensorsEntry& e : entries) largest = std::max<std::size_t>(largest, e.count * dtype_size(e.dtype));
   SafetensorsWriter out(
       path, std::move(entries),
       {{"format", "tandem-checkpoint-shard"}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}},
