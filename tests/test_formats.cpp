@@ -292,6 +292,31 @@ TEST_CASE("safetensors: the checksums in one metadata value in data order, or pe
   CHECK(!std::filesystem::exists(path));
 }
 
+TEST_CASE("safetensors: the writer refuses names a reader could not tell apart, and writes nothing") {
+  const std::string path = test::temp_path("names") + ".safetensors";
+  const tandem::DType f = tandem::DType::fp32;
+  const auto write = [&](std::vector<tandem::SafetensorsEntry> entries) {
+    tandem::SafetensorsWriter w(path, std::move(entries), {}, "the test file");
+  };
+  CHECK_THROWS_WITH_AS(write({{"a", f, 1}, {"b", f, 1}, {"a", f, 2}}),
+                       doctest::Contains("the test file would hold two tensors named `a`"), tandem::error);
+  CHECK(!std::filesystem::exists(path));
+  // A reader takes `__metadata__` for the file's metadata: such a tensor would be read back as a broken header.
+  CHECK_THROWS_WITH_AS(write({{"a", f, 1}, {"__metadata__", f, 1}}),
+                       doctest::Contains("the test file would hold a tensor named `__metadata__`"), tandem::error);
+  CHECK(!std::filesystem::exists(path));
+  {
+    tandem::SafetensorsWriter w(path, {{"a", f, 1}, {"__metadata__x", f, 1}, {"A", f, 1}}, {}, "the test file");
+    const float values[3] = {1, 2, 3};
+    w.data(values, sizeof values);
+    w.commit();
+  }
+  const tandem::SafetensorsFile file(path);  // names that differ in any byte are three tensors
+  CHECK(file.tensors().size() == 3);
+  CHECK(file.find("__metadata__x") != nullptr);
+  std::filesystem::remove(path);
+}
+
 TEST_CASE("safetensors: names and shapes are views of the header, valid after the text parsed and the header moved") {
   // Names with and without escapes, shapes of several ranks, entries in both forms; the text parsed is gone before
   // they are read, and the header has been moved twice.
