@@ -106,7 +106,9 @@ std::size_t parse_mib(const std::string& flag, const std::string& text) {
   const double v = std::strtod(text.c_str(), &end);
   if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0) || v > 1e12)
     throw usage_error(flag + " expects a positive number of MiB (e.g. 25 or 0.5), got '" + text + "'");
-  return static_cast<std::size_t>(std::llround(v * mib));
+  const long long bytes = std::llround(v * mib);
+  if (bytes < 4) throw usage_error(flag + " must be at least 4 bytes (one fp32 gradient), got '" + text + "' MiB");
+  return static_cast<std::size_t>(bytes);
 }
 
 /// "fp32", "bf16" or "fp16" as a DType; none for anything else.

@@ -103,6 +103,21 @@ TEST_CASE("the tensor list loader rejects malformed lines, naming the line") {
   }
   CHECK_THROWS_WITH_AS(sc::load_tensor_list(path.string(), "bad"), doctest::Contains("three tab-separated"),
                        tandem::error);
+  // Sizes past 2^64 are refused, not wrapped: 2^32 x 2^32 wraps to 0, which would equal the numel 0.
+  for (const char* line :
+       {"big\t99999999999999999999\t1\n", "wraps\t0\t4294967296x4294967296\n", "long\t1\t99999999999999999999\n"}) {
+    CAPTURE(line);
+    {
+      std::ofstream out(path);
+      out << line;
+    }
+    CHECK_THROWS_WITH_AS(sc::load_tensor_list(path.string(), "bad"), doctest::Contains("2^64"), tandem::error);
+  }
+  {
+    std::ofstream out(path);
+    out << "empty\t0\t4294967296x4294967296x0\n";  // a 0 dimension: 0 elements, however large the others
+  }
+  CHECK(sc::load_tensor_list(path.string(), "empty").tensors.at(0).numel == 0);
   std::filesystem::remove(path);
   CHECK_THROWS_AS(sc::load_tensor_list(path.string(), "missing"), tandem::error);
 }

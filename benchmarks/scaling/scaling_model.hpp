@@ -10,11 +10,14 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -65,14 +68,23 @@ namespace detail {
 
 /// The product of a shape's 'x'-separated dimensions; fails on anything but digits and 'x'.
 inline std::size_t shape_numel(const std::string& shape, const std::string& where) {
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  const auto too_large = [&] { tandem::detail::fail(where + ": shape '" + shape + "' has 2^64 elements or more"); };
   std::size_t product = 1, dim = 0;
-  bool digits = false;
+  bool digits = false, zero = false, overflow = false;  // a 0 dimension makes the product 0 however large the rest
+  const auto multiply = [&] {
+    zero = zero || dim == 0;
+    overflow = overflow || (dim != 0 && product > most / dim);
+    product *= dim;
+  };
   for (char c : shape) {
     if (c >= '0' && c <= '9') {
-      dim = dim * 10 + static_cast<std::size_t>(c - '0');
+      const auto digit = static_cast<std::size_t>(c - '0');
+      if (dim > (most - digit) / 10) too_large();
+      dim = dim * 10 + digit;
       digits = true;
     } else if (c == 'x' && digits) {
-      product *= dim;
+      multiply();
       dim = 0;
       digits = false;
     } else {
@@ -80,7 +92,10 @@ inline std::size_t shape_numel(const std::string& shape, const std::string& wher
     }
   }
   if (!digits) tandem::detail::fail(where + ": shape '" + shape + "' is not of the form AxBx...");
-  return product * dim;
+  multiply();
+  if (zero) return 0;
+  if (overflow) too_large();
+  return product;
 }
 
 inline std::string join_shape(const std::vector<std::size_t>& dims) {
@@ -114,7 +129,9 @@ inline ModelLayout load_tensor_list(const std::string& path, std::string name) {
     const std::string numel = line.substr(tab1 + 1, tab2 - tab1 - 1);
     if (t.name.empty() || numel.empty() || numel.find_first_not_of("0123456789") != std::string::npos)
       tandem::detail::fail(where + ": the name must be non-empty and the numel a non-negative integer");
-    t.numel = std::stoull(numel);
+    const auto [end, err] = std::from_chars(numel.data(), numel.data() + numel.size(), t.numel);
+    if (err != std::errc{} || end != numel.data() + numel.size())
+      tandem::detail::fail(where + ": numel " + numel + " is 2^64 or more");
     if (detail::shape_numel(t.shape, where) != t.numel)
       tandem::detail::fail(where + ": numel " + numel + " is not the product of shape " + t.shape);
     layout.tensors.push_back(std::move(t));
