@@ -16,18 +16,21 @@
 
 #include "tandem/comm/file_rendezvous.hpp"
 #include "tandem/comm/launch_env.hpp"
+#include "tandem/core/deadline.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
 using Env = std::map<std::string, std::string>;
 
-tandem::LaunchInfo detect(const Env& env) {
-  return tandem::detect_launch([&](const char* name) -> const char* {
+tandem::EnvironmentLookup lookup(const Env& env) {
+  return [&env](const char* name) -> const char* {
     const auto it = env.find(name);
     return it == env.end() ? nullptr : it->second.c_str();
-  });
+  };
 }
+
+tandem::LaunchInfo detect(const Env& env) { return tandem::detect_launch(lookup(env)); }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
@@ -79,6 +82,24 @@ TEST_CASE("detect_launch: each launcher's variables") {
     CHECK(info.missing == std::vector<std::string>{"MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
     CHECK(contains(info.describe(), "local rank unknown"));
   }
+  SUBCASE("srun --mpi=pmi2: PMI without Hydra's local variables takes the job step's") {
+    const auto info = detect({{"PMI_RANK", "3"},
+                              {"PMI_SIZE", "4"},
+                              {"PMI_FD", "9"},
+                              {"SLURM_PROCID", "3"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_STEP_NUM_TASKS", "4"},
+                              {"SLURM_LOCALID", "1"},
+                              {"SLURM_NODEID", "1"},
+                              {"SLURM_TASKS_PER_NODE", "2(x2)"}});
+    CHECK(info.launcher == tandem::Launcher::pmi);
+    CHECK(info.rank == 3);
+    CHECK(info.local_rank == 1);
+    CHECK(info.local_size == 2);
+    CHECK(info.missing.empty());
+    CHECK(contains(info.describe(), "rank 3 of 4, local rank 1 of 2"));
+    CHECK(tandem::device_for(info, 2, lookup({})) == 1);
+  }
   SUBCASE("SLURM job step: the local size comes from SLURM_TASKS_PER_NODE at SLURM_NODEID") {
     const auto info = detect({{"SLURM_PROCID", "6"},
                               {"SLURM_STEP_ID", "0"},
@@ -97,6 +118,31 @@ TEST_CASE("detect_launch: each launcher's variables") {
     const auto info = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}});
     CHECK(info.launcher == tandem::Launcher::none);
   }
+}
+
+TEST_CASE("device_for: the local rank's GPU, or the one GPU a launcher gave each process") {
+  tandem::LaunchInfo info;
+  info.launcher = tandem::Launcher::slurm;
+  info.world_size = 8;
+  info.rank = 3;
+  info.local_rank = 3;
+  info.local_size = 4;
+  CHECK(tandem::device_for(info, 4, lookup({})) == 3);
+  CHECK(tandem::device_for(info, 8, lookup({{"CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7"}})) == 3);
+  // srun --gpus-per-task=1: each process sees its own GPU as device 0
+  CHECK(tandem::device_for(info, 1, lookup({{"CUDA_VISIBLE_DEVICES", "3"}})) == 0);
+  CHECK_THROWS_WITH_AS(tandem::device_for(info, 1, lookup({})),
+                       doctest::Contains("local rank 3 but this process sees 1 GPU(s); start at most one process per "
+                                         "GPU, or give each process a GPU of its own"),
+                       tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::device_for(info, 2, lookup({{"CUDA_VISIBLE_DEVICES", "4,5"}})),
+                       doctest::Contains("sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=\"4,5\")"), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::device_for(info, 0, lookup({{"CUDA_VISIBLE_DEVICES", ""}})),
+                       doctest::Contains("this process sees no GPU (CUDA_VISIBLE_DEVICES=\"\")"), tandem::error);
+  info.local_rank.reset();
+  CHECK_THROWS_WITH_AS(tandem::device_for(info, 4, lookup({})),
+                       doctest::Contains("did not say this process's local rank, so its GPU is unknown"),
+                       tandem::error);
 }
 
 TEST_CASE("detect_launch: mpirun inside a SLURM step wins; the SLURM variables are listed as ignored") {
@@ -193,6 +239,43 @@ TEST_CASE("wait_for_blob skips a stale file with another key, and a torn file, u
   const std::vector<std::byte> got = tandem::wait_for_blob(path, "new-job", 4, {.timeout = 10s, .poll_interval = 5ms});
   writer.join();
   CHECK(std::equal(got.begin(), got.end(), new_blob.begin(), new_blob.end()));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("a key used before: rank 0 refuses and removes the file; remove_blob removes only its own key's file") {
+  const std::string path = scratch_path("reused");
+  const std::array<std::byte, 4> blob{std::byte{5}, std::byte{6}, std::byte{7}, std::byte{8}};
+  tandem::publish_blob(path, "run-1", blob);
+  CHECK_THROWS_WITH_AS(tandem::publish_blob(path, "run-1", blob),
+                       doctest::Contains("already holds a rendezvous file with key \"run-1\""), tandem::error);
+  CHECK(!std::filesystem::exists(path));
+  tandem::publish_blob(path, "run-1", blob);  // the next run starts clean
+  CHECK(!tandem::remove_blob(path, "run-2"));
+  CHECK(std::filesystem::exists(path));
+  CHECK(tandem::remove_blob(path, "run-1"));
+  CHECK(!std::filesystem::exists(path));
+  CHECK(!tandem::remove_blob(path, "run-1"));
+  { std::ofstream(path) << "not a rendezvous file"; }
+  CHECK(!tandem::remove_blob(path, "run-1"));  // what is not a rendezvous file of this key stays
+  CHECK(std::filesystem::exists(path));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("an unbounded timeout (milliseconds::max()) waits, where the sum with the clock would overflow") {
+  using tandem::detail::deadline_after;
+  const auto now = std::chrono::steady_clock::now();
+  CHECK(deadline_after(now, std::chrono::milliseconds::max()) == std::chrono::steady_clock::time_point::max());
+  CHECK(deadline_after(now, 1500ms) == now + 1500ms);
+  const std::string path = scratch_path("unbounded");
+  const std::array<std::byte, 4> blob{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}};
+  std::thread writer([&] {
+    std::this_thread::sleep_for(100ms);
+    tandem::publish_blob(path, "k", blob);
+  });
+  const std::vector<std::byte> got =
+      tandem::wait_for_blob(path, "k", 4, {.timeout = std::chrono::milliseconds::max(), .poll_interval = 5ms});
+  writer.join();
+  CHECK(std::equal(got.begin(), got.end(), blob.begin(), blob.end()));
   std::filesystem::remove(path);
 }
 

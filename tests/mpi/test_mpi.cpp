@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -200,6 +201,22 @@ void check_training(const test::TrainSetup& setup, const typename Optimizer::Opt
   CHECK(!bitwise_equal(over_mpi, test::as_float(initial.params())));
 }
 
+/// DataParallel<Policy, AdamW> over Mpi on StreamHostBackend, its work and comm streams worker threads with random
+/// delays: this rank's parameters must be the bits of the same training on HostBackend (Mpi waits for each stream's
+/// earlier work before a collective reads it).
+template <class Policy>
+void check_streams(const test::TrainSetup& setup) {
+  const mlp::Dataset data = test::make_dataset(setup);
+  tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = 60s});
+  const test::Params on_streams =
+      test::train_rank<Policy, tandem::AdamW, float, test::DelayedStreamBackend>(comm, setup, data, adamw);
+  const test::Params in_order =
+      test::train_rank<Policy, tandem::AdamW, float, tandem::HostBackend>(comm, setup, data, adamw);
+  CHECK(bitwise_equal(on_streams, in_order));
+  mlp::Mlp<float> initial(setup.dims, setup.seed);
+  CHECK(!bitwise_equal(on_streams, test::as_float(initial.params())));
+}
+
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 }  // namespace
@@ -299,6 +316,41 @@ TEST_CASE("DataParallel over Mpi: gradients reduced in bf16 and fp16 (DataParall
   setup.accumulation = 2;
   check_training<tandem::OptimizerSharded, tandem::SGD, tandem::BFloat16>(setup, sgd);
   check_training<tandem::GradientSharded, tandem::SGD, float>(setup, sgd);
+}
+
+TEST_CASE("DataParallel over Mpi on the stream-faithful backend equals HostBackend bit for bit") {
+  test::TrainSetup setup;
+  setup.max_grad_norm = 0.5f;  // the norm's all-reduce reads what the work stream wrote
+  check_streams<tandem::Replicated>(setup);
+  check_streams<tandem::GradientSharded>(setup);
+  check_streams<tandem::ParameterSharded>(setup);
+}
+
+TEST_CASE("Mpi on streams: a HostStream's earlier work is done first; a CUDA stream and a capture are refused") {
+  tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = 60s});
+  tandem::HostStream stream({.max_delay = 2ms, .seed = 7});
+  std::vector<float> a(1000, 0.0f);
+  stream.enqueue([&] { std::fill(a.begin(), a.end(), 1.0f + static_cast<float>(comm.rank())); });
+  comm.all_reduce(a.data(), a.data(), a.size(), tandem::DType::fp32, tandem::ReduceOp::sum, stream.stream());
+  const float sum = static_cast<float>(comm.size() * (comm.size() + 1) / 2);
+  CHECK(std::count(a.begin(), a.end(), sum) == static_cast<std::ptrdiff_t>(a.size()));
+  int not_a_cuda_stream = 0;
+  CHECK_THROWS_WITH_AS(comm.broadcast(a.data(), a.data(), a.size(), tandem::DType::fp32, 0,
+                                      tandem::Stream{&not_a_cuda_stream, tandem::StreamKind::native}),
+                       doctest::Contains("Mpi::broadcast was given a CUDA stream"), tandem::error);
+  stream.begin_capture();
+  CHECK_THROWS_WITH_AS(comm.all_gather(a.data(), a.data(), 1, tandem::DType::fp32, stream.stream()),
+                       doctest::Contains("Mpi::all_gather on a capturing HostStream"), tandem::error);
+  (void)stream.end_capture();
+  comm.barrier();  // the refusals sent nothing: the communicator goes on
+}
+
+TEST_CASE("an unbounded timeout (milliseconds::max()) waits rather than expiring at once") {
+  tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = std::chrono::milliseconds::max()});
+  if (comm.rank() == 1) std::this_thread::sleep_for(100ms);
+  float a = 1.0f;
+  comm.all_reduce(&a, &a, 1, tandem::DType::fp32, tandem::ReduceOp::sum);
+  CHECK(a == static_cast<float>(comm.size()));
 }
 
 TEST_CASE("unequal batches: all_ranks_have_batch stops every rank after the shortest rank's batches") {

@@ -46,9 +46,10 @@ inline mlp::Dataset make_dataset(const TrainSetup& setup) {
 /// Called before each micro-step with (optimizer step, micro-step): a test injects failures here.
 using StepHook = std::function<void(int, int)>;
 
-/// Trains this rank's model under DataParallel<Policy, Optimizer> over `comm` and returns its final parameters.
-/// Rank r takes samples [r * b, (r + 1) * b) of each micro-step's global batch, b = global_batch / comm.size().
-template <class Policy, class Optimizer, class T, class Comm>
+/// Trains this rank's model under DataParallel<Policy, Optimizer> over `comm` (on `B`, the suite's backend unless
+/// given) and returns its final parameters. Rank r takes samples [r * b, (r + 1) * b) of each micro-step's global
+/// batch, b = global_batch / comm.size().
+template <class Policy, class Optimizer, class T, class B = Backend, class Comm>
 Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
                   const typename Optimizer::Options& options, const StepHook& hook = {}) {
   constexpr bool sharded = tandem::parameter_sharding_of<Policy> == tandem::ParameterSharding::sharded;
@@ -62,10 +63,10 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
                                         .reduce_dtype = setup.reduce_dtype};
   auto make = [&] {
     if constexpr (!sharded)
-      if (!owned) return test::DataParallel<Policy, Optimizer, Comm>(comm, model.tensors(), options, dpo);
+      if (!owned) return tandem::DataParallel<Policy, Optimizer, B, Comm>(comm, model.tensors(), options, dpo);
     std::vector<tandem::TensorSpec> specs;
     for (const tandem::TensorRef& t : model.tensors()) specs.push_back({t.name, t.numel, t.dtype});
-    return test::DataParallel<Policy, Optimizer, Comm>(comm, std::move(specs), options, dpo);
+    return tandem::DataParallel<Policy, Optimizer, B, Comm>(comm, std::move(specs), options, dpo);
   };
   auto dp = make();
   if (owned)

@@ -9,11 +9,16 @@
 //
 //   "TANDEMRV" | u32 version = 1 | u32 key bytes | u64 blob bytes | key | blob | u64 FNV-1a of everything before
 //
-// Readers poll until a file with their key appears or the timeout expires. The key tells this job's file from one a
-// previous job left at the same path: pass something every rank of this job knows and no other job shares (the
-// scheduler's job id, MASTER_ADDR:MASTER_PORT, a value the launch script draws). A file with another key is skipped
-// as stale, and the timeout error says so. Rank 0 does not remove the file (it cannot know when the last reader is
-// done); remove it after a later barrier, or let the next job overwrite it.
+// Readers poll until a file with their key appears or the timeout expires. The key tells this run's file from one an
+// earlier run left at the same path, so it must be unique to the run: something every rank knows and no other run
+// shares (SLURM_JOB_ID.SLURM_STEP_ID; torchrun's TORCHELASTIC_RUN_ID, its --rdzv-id, with TORCHELASTIC_RESTART_COUNT;
+// a value the launch script draws). MASTER_ADDR:MASTER_PORT is not: a rerun of the same command has the same one, and its readers, starting
+// before rank 0 publishes, would take the earlier run's blob. A file with another key is skipped as stale, and the
+// timeout error says so. A file with this run's key already there when rank 0 publishes means the key was used before
+// (a run that ended without removing its file, or two runs sharing a key): readers may have taken it, so publish_blob
+// removes it and throws. Rank 0 cannot know when the last reader is done, so it removes the file itself (remove_blob)
+// once every rank has used the blob: after a barrier, or, as nccl_from_environment does, once the communicator the
+// blob set up has been joined (which needs every rank).
 //
 // (A TCP rendezvous at MASTER_ADDR:MASTER_PORT is not provided: the file, MPI, and the launcher's own channels cover
 // the launchers tandem supports; see docs/launching.md.)
@@ -28,13 +33,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tandem/core/atomic_file.hpp"
+#include "tandem/core/deadline.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/hash.hpp"
 
@@ -135,9 +143,43 @@ inline RendezvousRead read_rendezvous(const std::string& path, std::string_view 
 
 }  // namespace detail
 
+/// Removes `path` if it holds a rendezvous file with `key` (nothing else: a file of another run, or one that does not
+/// read, stays). Returns whether it removed one; throws tandem::error when the system refuses.
+inline bool remove_blob(const std::string& path, std::string_view key) {
+  if (detail::read_rendezvous(path, key).state != detail::RendezvousRead::State::ready) return false;
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+    detail::fail("tandem: remove_blob: cannot remove `" + path + "`: " + std::strerror(errno));
+  return true;
+}
+
+namespace detail {
+/// Calls remove_blob(path, key) when it goes out of scope, by return or by exception; an error is dropped (the file
+/// stays, and the next publish_blob with this key says so).
+struct BlobRemoval {
+  std::string path, key;
+  BlobRemoval(std::string p, std::string k) : path(std::move(p)), key(std::move(k)) {}
+  BlobRemoval(const BlobRemoval&) = delete;
+  BlobRemoval& operator=(const BlobRemoval&) = delete;
+  ~BlobRemoval() {
+    try {
+      remove_blob(path, key);
+    } catch (const std::exception&) {
+    }
+  }
+};
+}  // namespace detail
+
 /// Rank 0's half: writes (key, blob) to `path` atomically (temporary file, fsync, rename). Throws tandem::error
-/// naming the path and the system's reason when it cannot.
+/// naming the path and the system's reason when it cannot, and when `path` already holds a file with `key`: an
+/// earlier use of the key left it, and readers may have taken its blob for this one's (the file is removed, so that
+/// the next run starts clean; give each run a key of its own, see the top of this file).
 inline void publish_blob(const std::string& path, std::string_view key, std::span<const std::byte> blob) {
+  if (remove_blob(path, key))
+    detail::fail("tandem: publish_blob: `" + path + "` already holds a rendezvous file with key \"" + std::string(key) +
+                 "\", left by an earlier run with the same key (one that ended before removing it, or one running "
+                 "beside this one); this run's other ranks may have taken its stale blob, so rank 0 stops here. The "
+                 "file is removed: start the run again, with a key unique to each run (not MASTER_ADDR:MASTER_PORT; "
+                 "docs/launching.md)");
   const std::vector<unsigned char> file = detail::rendezvous_file(key, blob);
   try {
     detail::AtomicFile out(path, "the rendezvous file");
@@ -156,7 +198,7 @@ inline std::vector<std::byte> wait_for_blob(const std::string& path, std::string
                                             FileRendezvousOptions options = {}) {
   if (options.timeout.count() <= 0 || options.poll_interval.count() <= 0)
     detail::fail("tandem: wait_for_blob: `options.timeout` and `options.poll_interval` must be positive");
-  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  const auto deadline = detail::deadline_after(std::chrono::steady_clock::now(), options.timeout);
   detail::RendezvousRead last;
   while (true) {
     last = detail::read_rendezvous(path, key);
@@ -188,7 +230,8 @@ inline std::vector<std::byte> wait_for_blob(const std::string& path, std::string
                       "` and found " + found);
 }
 
-/// Both halves: rank 0 publishes `blob`; every other rank fills `blob` (same size) from the file.
+/// Both halves: rank 0 publishes `blob`; every other rank fills `blob` (same size) from the file. Rank 0 removes the
+/// file (remove_blob) once every rank has used the blob.
 inline void share_blob(const std::string& path, std::string_view key, int rank, std::span<std::byte> blob,
                        FileRendezvousOptions options = {}) {
   if (rank < 0) detail::fail("tandem: share_blob: `rank` is " + std::to_string(rank) + "; pass this process's rank");

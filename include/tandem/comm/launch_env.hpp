@@ -5,7 +5,8 @@
 //   launcher   variables (rank, size / local rank, local size / extras)
 //   openmpi    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE
 //   torchrun   RANK, WORLD_SIZE / LOCAL_RANK, LOCAL_WORLD_SIZE / MASTER_ADDR, MASTER_PORT
-//   pmi        PMI_RANK, PMI_SIZE (MPICH's Hydra, srun --mpi=pmi2) / MPI_LOCALRANKID, MPI_LOCALNRANKS
+//   pmi        PMI_RANK, PMI_SIZE (MPICH's Hydra, srun --mpi=pmi2) / MPI_LOCALRANKID, MPI_LOCALNRANKS (Hydra's);
+//              inside a SLURM job step without them (srun --mpi=pmi2), SLURM_LOCALID and SLURM_TASKS_PER_NODE
 //   slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) / SLURM_LOCALID, SLURM_TASKS_PER_NODE at
 //              SLURM_NODEID; only inside a job step (SLURM_STEP_ID set): a batch script's own environment says
 //              SLURM_PROCID=0 of all the job's tasks, which is no launch at all
@@ -203,11 +204,16 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
   }
   info.rank = *rank;
   info.world_size = *size;
-  info.local_rank = detail::env_int(env, c.local_rank, &info.found);
-  if (!info.local_rank) info.missing.push_back(c.local_rank);
-  if (c.local_size != nullptr) {
-    info.local_size = detail::env_int(env, c.local_size, &info.found);
-    if (!info.local_size) info.missing.push_back(c.local_size);
+  // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's local variables: the job step's say where it sits.
+  const bool pmi_in_slurm_step =
+      c.launcher == Launcher::pmi && env(c.local_rank) == nullptr && env("SLURM_STEP_ID") != nullptr;
+  const char* local_rank_var = pmi_in_slurm_step ? "SLURM_LOCALID" : c.local_rank;
+  const char* local_size_var = pmi_in_slurm_step ? nullptr : c.local_size;
+  info.local_rank = detail::env_int(env, local_rank_var, &info.found);
+  if (!info.local_rank) info.missing.push_back(local_rank_var);
+  if (local_size_var != nullptr) {
+    info.local_size = detail::env_int(env, local_size_var, &info.found);
+    if (!info.local_size) info.missing.push_back(local_size_var);
   } else {  // SLURM: the tasks of this node, from the per-node list
     const char* spec = env("SLURM_TASKS_PER_NODE");
     const std::optional<int> node = detail::env_int(env, "SLURM_NODEID", &info.found);
@@ -217,8 +223,8 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
       info.found.push_back(std::string("SLURM_TASKS_PER_NODE=") + spec);
       info.local_size = detail::slurm_tasks_on_node(spec, *node);
       if (!info.local_size)
-        detail::fail(std::string("tandem: detect_launch (SLURM (srun)): SLURM_TASKS_PER_NODE is \"") + spec +
-                     "\" and SLURM_NODEID is " + std::to_string(*node) +
+        detail::fail(std::string("tandem: detect_launch (") + launcher_name(c.launcher) +
+                     "): SLURM_TASKS_PER_NODE is \"" + spec + "\" and SLURM_NODEID is " + std::to_string(*node) +
                      "; expected a list like \"2(x3),1\" covering that node");
     }
   }
@@ -233,8 +239,34 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
     if (!info.master_port) info.missing.push_back("MASTER_PORT");
   }
   const char* size_name = env(c.size) != nullptr ? c.size : c.size_fallback;
-  detail::check_launch(info, c.rank, size_name, c.local_rank, c.local_size ? c.local_size : "SLURM_TASKS_PER_NODE");
+  detail::check_launch(info, c.rank, size_name, local_rank_var,
+                       local_size_var ? local_size_var : "SLURM_TASKS_PER_NODE");
   return info;
+}
+
+/// The GPU a process uses among the `visible` ones it sees (cudaGetDeviceCount; select_device in
+/// comm/nccl_bootstrap.hpp): device 0 where the launcher gave each process a GPU of its own (CUDA_VISIBLE_DEVICES set
+/// and one device visible: srun --gpus-per-task=1, a container per GPU), else the device of its local rank. Throws
+/// tandem::error, saying what the launcher told, when the local rank is unknown or there is no such device.
+inline int device_for(
+    const LaunchInfo& info, int visible,
+    const EnvironmentLookup& env = [](const char* name) { return std::getenv(name); }) {
+  if (!info.local_rank)
+    detail::fail("tandem: select_device: the launcher did not say this process's local rank, so its GPU is unknown (" +
+                 info.describe() +
+                 "); start it with a launcher that does (docs/launching.md), or call cudaSetDevice "
+                 "yourself");
+  const char* mask = env("CUDA_VISIBLE_DEVICES");
+  const std::string shown = mask != nullptr ? std::string(" (CUDA_VISIBLE_DEVICES=\"") + mask + "\")" : "";
+  if (visible < 1)
+    detail::fail("tandem: select_device: this process sees no GPU" + shown + " (" + info.describe() + ")");
+  if (visible == 1 && mask != nullptr && *mask != '\0') return 0;
+  if (*info.local_rank < visible) return *info.local_rank;
+  detail::fail("tandem: select_device: local rank " + std::to_string(*info.local_rank) + " but this process sees " +
+               std::to_string(visible) + " GPU(s)" + shown +
+               "; start at most one process per GPU, or give each process a GPU of its own (CUDA_VISIBLE_DEVICES, srun "
+               "--gpus-per-task=1) (" +
+               info.describe() + ")");
 }
 
 }  // namespace tandem

@@ -50,6 +50,7 @@
 
 #include "tandem/backend/host_stream.hpp"
 #include "tandem/comm/communicator.hpp"
+#include "tandem/core/deadline.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/stream.hpp"
@@ -503,12 +504,11 @@ class LocalGroupState {
       if (generation_.load(std::memory_order_acquire) != gen) return;
     }  // else stopped, or waited too long to poll on: decided under the lock below
     std::unique_lock<std::mutex> lock(mutex_);
-    const bool bounded = interruptible && timeout_ < std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                         std::chrono::steady_clock::time_point::max() - start);
-    if (!bounded) {
+    const auto deadline = detail::deadline_after(start, timeout_);
+    if (!interruptible || deadline == std::chrono::steady_clock::time_point::max()) {
       wake_.wait(lock, released);
     } else {
-      while (!wake_.wait_until(lock, start + timeout_, released)) {
+      while (!wake_.wait_until(lock, deadline, released)) {
         std::vector<int> missing = missing_ranks(gen);
         if (missing.empty()) {  // all arrived; the last one is about to release us
           wake_.wait(lock, released);

@@ -46,6 +46,13 @@
 // transfer with a dead peer or a send to a failed one (Open MPI leaves those pending for ever): a rank that finds a
 // dead peer throws about liveness_interval after the death (tests/mpi/run_failure.cmake checks it).
 //
+// Streams: a collective runs on the calling thread and is complete when it returns. Given Stream{} (HostBackend) it
+// runs at once; given a HostStream's stream (StreamHostBackend) it first waits for the work enqueued on that stream
+// (HostStream::synchronize), so it reads what that work wrote, and work enqueued after it reads its results. A CUDA
+// stream is refused with tandem::error: Mpi moves host memory, and device buffers need tandem::Nccl (on GPUs, join one
+// over this Mpi with nccl_from_host_comm). Neither can be captured (HostStream::begin_capture): a replay would not
+// run the collective.
+//
 // Errors of MPI calls throw tandem::mpi_error (TANDEM_MPI_CHECK): the communicator is a duplicate of the one passed
 // in, with MPI_ERRORS_RETURN set, so MPI returns its errors instead of aborting the job.
 #pragma once
@@ -73,8 +80,10 @@
 #endif
 
 #include "tandem/backend/host.hpp"
+#include "tandem/backend/host_stream.hpp"
 #include "tandem/comm/communicator.hpp"
 #include "tandem/comm/local_group.hpp"
+#include "tandem/core/deadline.hpp"
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
 #include "tandem/core/hash.hpp"
@@ -328,7 +337,7 @@ class Mpi {
     {
       detail::MpiPending pending;
       pending.add(dup, -1, true);
-      wait(pending, "construction (MPI_Comm_idup)", std::chrono::steady_clock::now() + options_.timeout);
+      wait(pending, "construction (MPI_Comm_idup)", detail::deadline_after(Clock::now(), options_.timeout));
     }
     TANDEM_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     MPI_Errhandler handler = MPI_ERRHANDLER_NULL;
@@ -383,19 +392,19 @@ class Mpi {
   const MpiOptions& options() const { return options_; }
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    (void)stream;
+    wait_for_stream(stream, detail::MpiCallKind::all_reduce);
     collective(detail::MpiCallKind::all_reduce, send, recv, count, dtype, op, 0);
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    (void)stream;
+    wait_for_stream(stream, detail::MpiCallKind::reduce_scatter);
     collective(detail::MpiCallKind::reduce_scatter, send, recv, count, dtype, op, 0);
   }
   void all_gather(const void* send, void* recv, std::size_t count, DType dtype, Stream stream = {}) {
-    (void)stream;
+    wait_for_stream(stream, detail::MpiCallKind::all_gather);
     collective(detail::MpiCallKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0);
   }
   void broadcast(const void* send, void* recv, std::size_t count, DType dtype, int root, Stream stream = {}) {
-    (void)stream;
+    wait_for_stream(stream, detail::MpiCallKind::broadcast);
     collective(detail::MpiCallKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root);
   }
   void barrier() { collective(detail::MpiCallKind::barrier, nullptr, nullptr, 0, DType::fp32, ReduceOp::sum, 0); }
@@ -418,13 +427,30 @@ class Mpi {
 
   // --- One call ------------------------------------------------------------------------------------------------------
 
+  /// Waits for the work enqueued on `stream` before a collective runs on this thread (see the top of this file).
+  static void wait_for_stream(Stream stream, detail::MpiCallKind kind) {
+    if (stream.handle == nullptr) return;  // the calling thread: its earlier work is done
+    const std::string call = std::string("tandem: Mpi::") + call_name(kind);
+    if (stream.kind != StreamKind::host_queue)
+      detail::fail(call +
+                   " was given a CUDA stream; Mpi moves host memory on the calling thread, so it works with "
+                   "HostBackend or StreamHostBackend. For device buffers use tandem::Nccl (nccl_from_host_comm joins "
+                   "one over this Mpi)");
+    HostStream& queue = *static_cast<HostStream*>(stream.handle);
+    if (queue.capturing())
+      detail::fail(call +
+                   " on a capturing HostStream; Mpi runs its collectives on the calling thread, so a replay of the "
+                   "capture would not run them: capture with LocalComm, or run this step uncaptured");
+    queue.synchronize();
+  }
+
   void collective(detail::MpiCallKind kind, const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                   int root) {
     const char* name = call_name(kind);
     if (!failed_.empty())
       throw error(std::string("tandem: ") + name + " on rank " + std::to_string(rank_) +
                   ": this communicator failed earlier (" + failed_ + ") and cannot be used any more");
-    const Clock::time_point deadline = Clock::now() + options_.timeout;
+    const Clock::time_point deadline = detail::deadline_after(Clock::now(), options_.timeout);
     std::string verdict;
     try {
       drain_notices(name, nullptr);
@@ -641,7 +667,7 @@ class Mpi {
   /// departed or died, or at the deadline.
   void wait(detail::MpiPending& pending, const char* name, Clock::time_point deadline) {
     const Clock::time_point start = Clock::now();
-    Clock::time_point next_liveness = start + options_.liveness_interval;
+    Clock::time_point next_liveness = detail::deadline_after(start, options_.liveness_interval);
     std::vector<int> indices(pending.requests.size());
     std::vector<MPI_Status> statuses(pending.requests.size());
     for (std::uint64_t poll = 0;; ++poll) {
@@ -672,7 +698,7 @@ class Mpi {
         if (comm_ != MPI_COMM_NULL && hello_done_) drain_notices(name, &pending);
         if (options_.liveness_interval.count() > 0 && now >= next_liveness) {
           check_liveness(pending, name);
-          next_liveness = now + options_.liveness_interval;
+          next_liveness = detail::deadline_after(now, options_.liveness_interval);
         }
         if (now >= deadline) throw timeout_error(timeout_message(pending, name));
       }
@@ -780,8 +806,8 @@ class Mpi {
   /// After this rank's departure notice: waits up to min(timeout, 2 s) until every peer sent one too (or failed).
   bool all_peers_left() noexcept {
     try {
-      const Clock::time_point until =
-          Clock::now() + std::min<Clock::duration>(options_.timeout, std::chrono::seconds(2));
+      const Clock::time_point until = detail::deadline_after(
+          Clock::now(), std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(2)));
       while (true) {
         receive_notices();
         bool all = true;

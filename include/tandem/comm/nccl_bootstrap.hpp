@@ -26,19 +26,15 @@
 
 namespace tandem {
 
-/// Makes the GPU of this process's local rank current (cudaSetDevice) and returns it. Throws, saying what the
-/// launcher told, when the local rank is unknown or the node has fewer GPUs than processes.
+/// Makes this process's GPU current (cudaSetDevice) and returns it: the device of its local rank, or device 0 where
+/// the launcher gave each process a GPU of its own (device_for, comm/launch_env.hpp). Throws, saying what the launcher
+/// told, when the local rank is unknown or the process sees no such GPU.
 inline int select_device(const LaunchInfo& info) {
-  if (!info.local_rank)
-    detail::fail("tandem: select_device: the launcher did not say this process's local rank, so its GPU is unknown (" +
-                 info.describe() + "); set LOCAL_RANK, or call cudaSetDevice yourself");
   int devices = 0;
   TANDEM_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  if (*info.local_rank >= devices)
-    detail::fail("tandem: select_device: local rank " + std::to_string(*info.local_rank) + " but this node has " +
-                 std::to_string(devices) + " GPU(s); start at most one process per GPU (" + info.describe() + ")");
-  TANDEM_CUDA_CHECK(cudaSetDevice(*info.local_rank));
-  return *info.local_rank;
+  const int device = device_for(info, devices);
+  TANDEM_CUDA_CHECK(cudaSetDevice(device));
+  return device;
 }
 
 /// Joins an Nccl communicator of the same ranks as `host` (tandem::Mpi, or any host-memory communicator):
@@ -54,8 +50,9 @@ Nccl nccl_from_host_comm(HostComm& host, NcclOptions options = {}) {
 }
 
 /// One process per GPU started by a launcher without MPI (torchrun-style RANK/WORLD_SIZE/LOCAL_RANK, or srun):
-/// selects the GPU by local rank, passes rank 0's id through the file `path` (tandem::share_blob; `job_key` tells
-/// this job's file from a stale one, e.g. the scheduler's job id), and joins.
+/// selects the GPU by local rank, passes rank 0's id through the file `path` (tandem::share_blob; `job_key` must be
+/// unique to the run, e.g. SLURM_JOB_ID.SLURM_STEP_ID: see file_rendezvous.hpp), and joins. Rank 0 removes the file
+/// once it has joined (every rank has then read the id), or when joining fails.
 inline Nccl nccl_from_environment(const std::string& path, std::string_view job_key, NcclOptions options = {},
                                   FileRendezvousOptions file = {}) {
   const LaunchInfo info = detect_launch();
@@ -63,6 +60,10 @@ inline Nccl nccl_from_environment(const std::string& path, std::string_view job_
   ncclUniqueId id{};
   if (info.rank == 0) id = Nccl::make_id();
   share_blob(path, job_key, info.rank, std::as_writable_bytes(std::span(&id, 1)), file);
+  if (info.rank != 0) return Nccl(id, info.rank, info.world_size, options);
+  // Removes the file once the communicator below is built (every rank has joined, so every rank read the id), or when
+  // joining throws (readers still waiting then time out finding no file rather than join a communicator that is gone).
+  const detail::BlobRemoval removal{path, std::string(job_key)};
   return Nccl(id, info.rank, info.world_size, options);
 }
 

@@ -32,6 +32,7 @@
 
 #include "tandem/backend/cuda/check.hpp"
 #include "tandem/backend/cuda/device.hpp"
+#include "tandem/core/deadline.hpp"
 
 namespace tandem::detail {
 
@@ -45,14 +46,13 @@ inline constexpr std::chrono::microseconds cuda_poll_sleep_time{50};
 template <class Ready>
 bool poll_until(std::chrono::milliseconds timeout, Ready&& ready) {
   using clock = std::chrono::steady_clock;
-  const clock::duration limit = timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(clock::duration::max())
-                                    ? clock::duration::max()
-                                    : std::chrono::duration_cast<clock::duration>(timeout);
   const clock::time_point start = clock::now();
+  const clock::time_point deadline = deadline_after(start, timeout);
   for (;;) {
     if (ready()) return true;
-    const clock::duration waited = clock::now() - start;
-    if (waited >= limit) return ready();
+    const clock::time_point now = clock::now();
+    if (now >= deadline) return ready();
+    const clock::duration waited = now - start;
     if (waited < cuda_poll_spin_time) continue;
     if (waited < cuda_poll_yield_time)
       std::this_thread::yield();
