@@ -101,3 +101,17 @@ TEST_CASE("grad_ready rejects an index out of range and a tensor announced twice
     CHECK(dp.step().updated);
   });
 }
+
+TEST_CASE("grad_ready after the tensor's GradientBucket was released says so, rather than 'twice'") {
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    test::DataParallel<tandem::Replicated, tandem::SGD> dp(
+        comm, std::vector<tandem::TensorSpec>{{"a", 10, tandem::DType::fp32}, {"b", 3, tandem::DType::fp32}}, {});
+    dp.broadcast_parameters();
+    { auto bucket = dp.gradients(0); }
+    CHECK_THROWS_WITH_AS(dp.grad_ready(1),
+                         doctest::Contains("grad_ready(1) after bucket 0's GradientBucket was released in this "
+                                           "micro-step"),
+                         tandem::error);
+    CHECK(dp.step().updated);
+  });
+}

@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
@@ -332,17 +334,128 @@ TEST_CASE("a bucket whose reduction fails to issue ends the micro-step; discard_
   });
 }
 
-TEST_CASE("a GradientBucket used after its DataParallel was moved says so") {
+TEST_CASE("a DataParallel with a GradientBucket open refuses to move and moves nothing; a moved-from one refuses") {
   tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
     mlp::Mlp<float> model(dims, 1);
-    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs_of(model), {},
-                                                                  {.bucket_cap_bytes = 1024});
+    using DP = test::DataParallel<tandem::GradientSharded, tandem::AdamW>;
+    DP dp(comm, specs_of(model), {}, {.bucket_cap_bytes = 1024});
     dp.broadcast_parameters();
     auto bucket = dp.gradients(0);
     const std::size_t first = bucket.tensors().front();
-    test::DataParallel<tandem::GradientSharded, tandem::AdamW> moved(std::move(dp));
-    CHECK(test::message_of([&] { (void)bucket.grad(first); }).find("used after its DataParallel was moved") !=
-          std::string::npos);
-    CHECK(test::message_of([&] { moved.step(); }).find("bucket 0's GradientBucket is still open") != std::string::npos);
+    CHECK(test::message_of([&] {
+            DP moved(std::move(dp));
+          }).find("cannot be moved while bucket 0's GradientBucket is open") != std::string::npos);
+    bucket.grad(first)[0] = 1.0f;  // nothing moved: the handle and its DataParallel go on
+    bucket.release();
+    CHECK(dp.step().updated);
+    DP moved(std::move(dp));
+    CHECK(moved.step().updated);
+    for (const auto& [what, call] : std::vector<std::pair<std::string, std::function<void()>>>{
+             {"discard_gradients", [&] { dp.discard_gradients(); }},
+             {"optimizer_options()", [&] { (void)dp.optimizer_options(); }},
+             {"load_checkpoint", [&] { dp.load_checkpoint("no such checkpoint"); }},
+             {"all_ranks_have_batch", [&] { (void)dp.all_ranks_have_batch(tandem::Batch::available); }},
+             {"all_reduce_host",
+              [&] {
+                double loss = 1.0;
+                dp.all_reduce_host({&loss, 1});
+              }},
+             {"memory_report()", [&] { (void)dp.memory_report(); }},
+             {"gradients(b)", [&] { (void)dp.gradients(0); }}}) {
+      CAPTURE(what);
+      CHECK(test::message_of(call) == "tandem: " + what + " on a DataParallel that has been moved from");
+    }
   });
+}
+
+namespace {
+
+/// Where train_through_failure makes step `fail_step`'s end fail, on every rank.
+enum class StepFailure {
+  none,     ///< nothing fails: the window is dropped with discard_gradients() instead of step()
+  scalars,  ///< the step's scalar all-reduce (norm, checks), after the buckets' all-reduces
+  gather    ///< the first parameter gather after an update (OptimizerSharded)
+};
+
+/// Trains `steps` steps of the MLP at 2 ranks in copy mode (SGD with momentum, clipping); before step `fail_step` it
+/// saves a checkpoint, then the step fails as `failure` says, and `recover` is called with the checkpoint's path.
+/// Returns rank 0's final parameters.
+template <class Policy>
+Params train_through_failure(int fail_step, StepFailure failure,
+                             const std::function<void(test::DataParallel<Policy, tandem::SGD, test::CountingComm>&,
+                                                      const std::string&)>& recover) {
+  Params result;
+  std::mutex m;
+  const std::string saved = test::temp_path("step_failure");
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& local) {
+    test::CountingComm comm{local, test::Collective::all_reduce, -1};
+    mlp::Mlp<float> model(dims, 9);
+    test::DataParallel<Policy, tandem::SGD, test::CountingComm> dp(
+        comm, model.tensors(), {.lr = 0.05f, .momentum = 0.9f},
+        {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .max_grad_norm = 1.0f});
+    REQUIRE(dp.num_buckets() > 2);
+    dp.broadcast_parameters();
+    const int local_batch = global_batch / 2;
+    for (int s = 0; s < steps; ++s) {
+      model.forward_backward(dataset(), s * global_batch + comm.rank() * local_batch, local_batch);
+      if (s != fail_step) {
+        CHECK(dp.step().updated);
+        continue;
+      }
+      dp.save_checkpoint(saved);
+      if (failure == StepFailure::none) {
+        dp.discard_gradients();
+        continue;
+      }
+      const bool scalars = failure == StepFailure::scalars;
+      comm.fail_kind = scalars ? test::Collective::all_reduce : test::Collective::all_gather;
+      comm.fail_at = scalars ? comm.count(test::Collective::all_reduce) + static_cast<int>(dp.num_buckets())
+                             : comm.count(test::Collective::all_gather);
+      CHECK(test::message_of([&] { dp.step(); }) == "injected collective failure");
+      recover(dp, saved);
+    }
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      result = test::as_float(model.params());
+    }
+  });
+  std::filesystem::remove_all(saved);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("step() failing after the buckets' reduction, before any update: refused until discard_gradients") {
+  // The scalar all-reduce fails with the window's gradients reduced in place: a second reduction would add them
+  // again (the next step() had trained on them). Dropping the window goes on as if it had been dropped in the first
+  // place, bit for bit.
+  const Params reference = train_through_failure<tandem::Replicated>(3, StepFailure::none, [](auto&, auto&) {});
+  const Params recovered = train_through_failure<tandem::Replicated>(3, StepFailure::scalars, [](auto& dp, auto&) {
+    CHECK(test::message_of([&] { dp.step(); }) ==
+          "tandem: step(): step() failed at the end of the accumulation window, before any update (injected "
+          "collective failure), with its gradients reduced; discard_gradients() (on every rank) or load_checkpoint "
+          "starts a clean window");
+    dp.discard_gradients();
+  });
+  CHECK(test::bitwise_equal(recovered, reference));
+}
+
+TEST_CASE("step() failing while updating the parameters: refused, and not saved, until a checkpoint is loaded") {
+  // Some buckets are updated and their parameters gathered, others not: only a checkpoint makes a whole state again,
+  // and loading the one saved before the step goes on as if that step's window had been dropped, bit for bit.
+  const std::string path = test::temp_path("step_failure_update");
+  const Params reference = train_through_failure<tandem::OptimizerSharded>(3, StepFailure::none, [](auto&, auto&) {});
+  const Params recovered =
+      train_through_failure<tandem::OptimizerSharded>(3, StepFailure::gather, [&](auto& dp, const std::string& saved) {
+        const std::string damaged =
+            "step() failed while updating the parameters (injected collective failure), so some buckets may be "
+            "updated and others not (and the ranks' copies may differ); load a checkpoint";
+        CHECK(test::message_of([&] { dp.step(); }) == "tandem: step(): " + damaged);
+        CHECK(test::message_of([&] { dp.save_checkpoint(path); }) == "tandem: save_checkpoint: " + damaged);
+        dp.discard_gradients();  // not enough
+        CHECK(test::message_of([&] { dp.step(); }) == "tandem: step(): " + damaged);
+        dp.load_checkpoint(saved);
+      });
+  CHECK(test::bitwise_equal(recovered, reference));
+  CHECK(!std::filesystem::exists(path));
 }

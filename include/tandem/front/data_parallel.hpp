@@ -161,8 +161,9 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   /// Movable (construct it in a factory, keep it in a container): the buffers, tables and queued work move with it;
-  /// the moved-from object may only be destroyed. Not while a GradientBucket or ParameterBucket is open: the handle
-  /// keeps referring to the moved-from object and says so when used. Not assignable (it refers to its communicator).
+  /// the moved-from object may only be destroyed (the calls that act on it throw). Not while a GradientBucket or
+  /// ParameterBucket is open: the move throws tandem::error and moves nothing. Not assignable (it refers to its
+  /// communicator).
   DataParallel(DataParallel&&) = default;
   DataParallel& operator=(DataParallel&&) = delete;
 
@@ -172,11 +173,11 @@ class DataParallel {
   /// say) comes after tandem's queued work.
   ~DataParallel() {
     if (!live_.yes) return;  // moved from: nothing of its own is left
-    for (std::size_t b = 0; b < bucket_open_.size(); ++b)
-      if (bucket_open_[b])
+    for (std::size_t b = 0; b < open_.gradients.size(); ++b)
+      if (open_.gradients[b])
         std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle\n", b);
-    for (std::size_t b = 0; b < params_open_.size(); ++b)
-      if (params_open_[b])
+    for (std::size_t b = 0; b < open_.parameters.size(); ++b)
+      if (open_.parameters[b])
         std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's ParameterBucket is still open; its views dangle\n",
                      b);
     try {
@@ -188,11 +189,14 @@ class DataParallel {
   }
 
   /// Makes every rank's parameters equal to `root`'s (its buffers, or its views with owned storage) and
-  /// re-derives the fp32 master weights from them.
+  /// re-derives the fp32 master weights from them. Also the way to change parameters between steps: the next update
+  /// starts from tandem's copies (the flat copy in copy mode, the master weights of 16-bit parameters), so a value
+  /// written into the buffers or views without it is overwritten there.
   TANDEM_COLD void broadcast_parameters(int root = 0) {
     static_assert(!shards_params_,
                   "under a policy that shards the parameters the ranks hold one model between them, so there is "
                   "nothing to broadcast: write the initial values with initialize_parameters(fill, root)");
+    check_live("broadcast_parameters");
     if (root < 0 || root >= world_)
       detail::fail("tandem: broadcast_parameters: root " + std::to_string(root) + " is out of range [0, " +
                    std::to_string(world_) + ")");
@@ -231,6 +235,12 @@ class DataParallel {
     if (i >= layout_.size())
       detail::fail("tandem: grad_ready(" + std::to_string(i) + "): index out of range; the layout has " +
                    std::to_string(layout_.size()) + " tensors");
+    if (ready_[i] == released_with_bucket)
+      detail::fail("tandem: grad_ready(" + std::to_string(i) + ") after bucket " +
+                   std::to_string(plan_.placement(i).bucket) + "'s GradientBucket was released in this micro-step (" +
+                   layout_.describe(i) +
+                   "), which announced its tensors; announce a bucket's tensors through "
+                   "gradients(b) or grad_ready, not both");
     if (ready_[i])
       detail::fail("tandem: grad_ready(" + std::to_string(i) + ") called twice in one micro-step (" +
                    layout_.describe(i) + "); call it once per tensor between two step() calls");
@@ -263,44 +273,51 @@ class DataParallel {
     // Gradients already carry the 1/(N*k) averaging in copy mode and when rounded to a 16-bit reduce dtype (see
     // reduce()); with owned storage in fp32 it is applied here.
     const float average = steps_->averaged || rounded_reduction() ? 1.0f : pack_scale();
-    join_comm();                    // the reduced gradients, for the norm and the updates
-    store_options(Store::changed);  // before the scalar all-reduce copies their lanes
-    control_.prepare(backend_, groups_.size(), boundary_scalars(scope, norm_checked(), average), work_stream());
-    ++windows_;
+    // A failure from here on leaves the window's gradients reduced (a second reduction would add them again): before
+    // the step's device work starts, the window must be dropped (broken_); after, the state is no whole training state
+    // (damaged_: the step count, or some buckets' parameters, may have moved on).
+    const auto failed = [](std::string& why, const char* where, const std::exception& e, const char* then) {
+      why = std::string("step() failed ") + where + " (" + e.what() + ")" + then;
+    };
+    detail::StepChecks checks;
+    try {
+      join_comm();                    // the reduced gradients, for the norm and the updates
+      store_options(Store::changed);  // before the scalar all-reduce copies their lanes
+      checks = boundary_scalars(scope, norm_checked(), average);
+    } catch (const std::exception& e) {
+      failed(broken_, "at the end of the accumulation window, before any update", e, ", with its gradients reduced");
+      throw;
+    }
     // The device decided (PrepareStepBody), and the updates obey its verdict there. With StepReport::at_step the host
     // reads it back before launching them, to report it (and to launch none for a step that does not update). With
     // one rank and no norm there is nothing to decide: every step updates.
     const bool decided = norm_checked() || world_ > 1;
+    std::optional<detail::StepRecord> record;
+    try {
+      control_.prepare(backend_, groups_.size(), checks, work_stream());
+      if (decided && options_.step_report == StepReport::at_step) record = control_.record(backend_, work_stream());
+    } catch (const std::exception& e) {
+      failed(damaged_, "deciding the optimizer step", e, "; load a checkpoint");
+      throw;
+    }
+    ++windows_;
     StepResult result;
-    if (decided && options_.step_report == StepReport::at_step) {
-      const detail::StepRecord record = control_.record(backend_, work_stream());
+    if (record) {
       // a step that does not update: the next window starts clean, the caller may go on (or load a checkpoint)
-      if (record.verdict != detail::StepVerdict::update) drop_window();
-      result = report(record, "step()", Reach::every_rank);  // throws where the verdict says so
+      if (record->verdict != detail::StepVerdict::update) drop_window();
+      result = report(*record, "step()", Reach::every_rank);  // throws where the verdict says so
       if (!result.updated) {
         scope.leave();
         return result;
       }
     }
-    // Bucket b's gather and unpack on the comm stream, beside the next bucket's update on the work stream; the last
-    // bucket (the first layers, which the next forward reads first) first.
-    Ops ops{*this};
-    // A run of buckets (param_runs_) is unpacked in one launch once all its buckets are updated: at its lowest bucket,
-    // which this loop reaches last.
-    for (std::size_t b = plan_.num_buckets(); b-- > 0;) {
-      update(scope, b);
-      P::after_update(ops, b);
-      const Range& run = param_runs_.of(b);
-      if (b != run.begin) continue;
-      const Stream s = after_work();
-      (this->*steps_->params_out)(scope, run, s);
-      if (options_.parameters_ready == ParametersReady::by_bucket)
-        for (std::size_t k = run.begin; k < run.end; ++k) {
-          backend_.record(params_ready_[k], s);
-          params_pending_[k] = 1;
-        }
+    try {
+      update_all(scope);
+    } catch (const std::exception& e) {
+      failed(damaged_, "while updating the parameters", e,
+             ", so some buckets may be updated and others not (and the ranks' copies may differ); load a checkpoint");
+      throw;
     }
-    gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
     drop_window();
     if (!decided)
       result = {.updated = true, .step = ++step_};
@@ -311,9 +328,10 @@ class DataParallel {
   }
 
   /// The rule for ranks with unequal numbers of batches: every rank calls step() the same number of times. A rank that
-  /// simply stops while the others still step makes them fail (LocalGroup: at once; Mpi: at once through its
-  /// departure notice, or when the timeout expires); it never hangs. To stop together, call this collective before
-  /// each micro-step on every rank, saying whether this rank has another batch:
+  /// simply stops while the others still step makes them fail at their next collective (LocalGroup: at once; Mpi: at
+  /// once through its departure notice, or when the timeout expires); it never hangs. A micro-step that issues none
+  /// (inside an accumulation window, without grad_ready) goes on unnoticed until the window's end. To stop together,
+  /// call this collective before each micro-step on every rank, saying whether this rank has another batch:
   ///
   ///   using tandem::Batch;
   ///   while (dp.all_ranks_have_batch(it != end ? Batch::available : Batch::exhausted)) { ...; dp.step(); }
@@ -324,6 +342,7 @@ class DataParallel {
   /// tandem::error naming them. Costs one all-gather of two words per rank. Under StepReport::deferred it then reports
   /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
   bool all_ranks_have_batch(Batch mine) {
+    check_live("all_ranks_have_batch");
     const std::uint64_t taken =
         windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
     // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
@@ -351,6 +370,7 @@ class DataParallel {
   /// with ReduceOp::avg, their mean, added in rank order under LocalGroup and Mpi. Collective: every rank passes as
   /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream.
   TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
+    check_live("all_reduce_host");
     if (values.empty()) return;
     join_comm();  // a collective on the work stream: after those of the comm stream
     Buffer<double> staging = detail::allocate_named<double>(backend_, values.size(), "all_reduce_host's staging");
@@ -444,6 +464,7 @@ class DataParallel {
   /// is refused until a load succeeds. The accumulation window starts clean (no gradient of a half-finished window
   /// survives). The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
   TANDEM_COLD void load_checkpoint(const std::string& path) {
+    check_live("load_checkpoint");  // a moved-from object has no state to restore, nor a collective to take part in
     std::string problem;
     std::optional<CheckpointData> single;
     std::optional<detail::ShardedCheckpoint> sharded;
@@ -502,8 +523,8 @@ class DataParallel {
         for (std::size_t b = 0; b < plan_.num_buckets(); ++b) P::after_update(ops, b);
         join_comm();  // the gathered parameters, for the unpacks below
       } catch (const std::exception& e) {
-        restore_failed_ = std::string("load_checkpoint failed while restoring (") + e.what() +
-                          "), so the state is partly overwritten; load a checkpoint that verifies";
+        damaged_ = std::string("load_checkpoint failed while restoring (") + e.what() +
+                   "), so the state is partly overwritten; load a checkpoint that verifies";
         throw;
       }
       if (sharded->manifest().parameters_only) {  // parameters only: the optimizer starts afresh
@@ -519,7 +540,7 @@ class DataParallel {
     reset_window();
     gathered_.forget();
     synced_ = true;
-    restore_failed_.clear();
+    damaged_.clear();
     for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
     scope.leave();
   }
@@ -530,6 +551,7 @@ class DataParallel {
   /// issues no collective: call it on every rank at the same point, or the ranks' micro-steps no longer match
   /// (all_ranks_have_batch reports it).
   void discard_gradients() {
+    check_live("discard_gradients");
     check_no_open_bucket("discard_gradients");
     const StreamScope scope(*this, Exit::leave);  // the user's stream may still write gradients tandem now zeroes
     reset_window();
@@ -539,6 +561,7 @@ class DataParallel {
   /// estimate_memory (front/estimate.hpp), given pack_table_layout_of<Backend>(), gives the same figures without
   /// constructing anything.
   TANDEM_COLD MemoryReport memory_report() const {
+    check_live("memory_report()");
     MemoryReport r = memory_of(state_.held(), buffer_inputs(), layout_.total_numel(), state_.state_count());
     r.pack_tables = param_tables_.bytes() + grad_tables_.bytes();
     return r;
@@ -583,7 +606,7 @@ class DataParallel {
   [[nodiscard]] GradientBucket gradients(std::size_t b) {
     check_stepping("gradients(b)");
     check_bucket_call(b, "gradients");
-    if (bucket_open_[b])
+    if (open_.gradients[b])
       detail::fail("tandem: gradients(" + std::to_string(b) + "): the bucket is already open in this micro-step");
     if (b < next_bucket_ || bucket_ready_[b] == plan_.bucket(b).tensors.size())
       detail::fail("tandem: gradients(" + std::to_string(b) +
@@ -598,7 +621,7 @@ class DataParallel {
         throw;
       }
     }
-    bucket_open_[b] = 1;
+    open_.gradients[b] = 1;
     return GradientBucket(*this, b);
   }
 
@@ -615,12 +638,12 @@ class DataParallel {
   [[nodiscard]] ParameterBucket parameters(std::size_t b) {
     check_stepping("parameters(b)");
     check_bucket_call(b, "parameters");
-    if (params_open_[b])
+    if (open_.parameters[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
     wait_pending_parameters(b);  // ParametersReady::by_bucket: the last step's work on b
     Ops ops{*this};
     const void* params = P::open_parameters(ops, b);
-    params_open_[b] = 1;
+    open_.parameters[b] = 1;
     return ParameterBucket(*this, b, params);
   }
 
@@ -631,7 +654,7 @@ class DataParallel {
   /// forward in layout order waits for each bucket's just before it reads it. Under at_step step() made the user's
   /// stream wait for every bucket already, and this adds nothing. Costs no host wait. Either storage mode.
   void wait_parameters(std::size_t b) {
-    if (!live_.yes) detail::fail("tandem: wait_parameters(b) on a DataParallel that has been moved from");
+    check_live("wait_parameters(b)");
     if (b >= plan_.num_buckets())
       detail::fail("tandem: wait_parameters(" + std::to_string(b) + "): bucket out of range; the plan has " +
                    std::to_string(plan_.num_buckets()) + " buckets");
@@ -661,7 +684,7 @@ class DataParallel {
   /// every rank throws tandem::error saying so, and stepping is refused until a call succeeds.
   template <class T, class Fill>
   TANDEM_COLD void initialize_parameters(Fill&& fill, int root = 0) {
-    if (!live_.yes) detail::fail("tandem: initialize_parameters on a DataParallel that has been moved from");
+    check_live("initialize_parameters");
     require_owned("initialize_parameters");
     if (dtype_of<T> != pdtype_)
       detail::fail(std::string("tandem: initialize_parameters<") + dtype_name(dtype_of<T>) + ">: the parameters are " +
@@ -736,7 +759,7 @@ class DataParallel {
   /// reported together, whichever ranks called last_step() since. Before the first optimizer step, and after a load,
   /// `updated` and `skipped` are false.
   StepResult last_step() {
-    if (!live_.yes) detail::fail("tandem: last_step() on a DataParallel that has been moved from");
+    check_live("last_step()");
     return report_latest("last_step()", Reach::rank);
   }
   int micro_step() const { return micro_; }
@@ -763,10 +786,7 @@ class DataParallel {
     DataParallel& dp() const {
       if (dp_ == nullptr)
         detail::fail(std::string("tandem: ") + kind_ + " used after release() (or after being moved from)");
-      if (!dp_->live_.yes)
-        detail::fail(std::string("tandem: ") + kind_ + " of bucket " + std::to_string(bucket_) +
-                     " used after its DataParallel was moved; release buckets before moving a DataParallel");
-      return *dp_;
+      return *dp_;  // live: a DataParallel with a handle open refuses to move (OpenHandles)
     }
     /// Tensor i's offset in the bucket, or an error naming `call` if i is not one of its tensors.
     std::size_t offset_of(std::size_t i, const char* call) const {
@@ -779,13 +799,8 @@ class DataParallel {
                      ", not in this handle's bucket " + std::to_string(bucket_));
       return d.plan_.placement(i).offset;
     }
-    /// The destructor's release: whether there is anything to do (logs a handle that outlived a move).
-    bool releasing() const {
-      if (dp_ == nullptr) return false;
-      if (dp_->live_.yes) return true;
-      std::fprintf(stderr, "tandem: bucket %zu's %s outlived the move of its DataParallel\n", bucket_, kind_);
-      return false;
-    }
+    /// The destructor's release: whether there is anything to do.
+    bool releasing() const { return dp_ != nullptr; }
     bool unwinding() const { return std::uncaught_exceptions() > exceptions_; }
     /// Ends the handle, returning its DataParallel for the release.
     DataParallel& take() {
@@ -873,12 +888,14 @@ class DataParallel {
   };
 
   /// The optimizer's options (of group 0: every tensor's, unless set_optimizer_groups says otherwise); change them
-  /// between steps (a learning-rate schedule, say).
-  OptimizerOptions& optimizer_options() { return groups_[0]; }
+  /// between steps (a learning-rate schedule, say). The reference stays valid until set_optimizer_groups replaces the
+  /// groups.
+  OptimizerOptions& optimizer_options() { return optimizer_options(0); }
 
   /// Group g's optimizer options (set_optimizer_groups); change them between steps as optimizer_options(). Throws
   /// tandem::error for a group that does not exist.
   OptimizerOptions& optimizer_options(std::size_t group) {
+    check_live("optimizer_options()");
     if (group >= groups_.size())
       detail::fail("tandem: optimizer_options(" + std::to_string(group) + "): there are " +
                    std::to_string(groups_.size()) + " optimizer groups (set_optimizer_groups)");
@@ -891,7 +908,7 @@ class DataParallel {
   /// host code, so between replays change them and call this: a learning-rate schedule over replays (docs/cuda.md,
   /// "Capturing a step"). Validates them as step() does. Local: no collective, no host wait.
   void store_optimizer_options() {
-    if (!live_.yes) detail::fail("tandem: store_optimizer_options() on a DataParallel that has been moved from");
+    check_live("store_optimizer_options()");
     check_groups("store_optimizer_options()");
     StreamScope scope(*this, Exit::leave);
     store_options(Store::always);
@@ -911,7 +928,7 @@ class DataParallel {
   ///   for (std::size_t i = 0; i < group.size(); ++i) if (dp.layout()[i].name.ends_with(".bias")) group[i] = 1;
   ///   dp.set_optimizer_groups({dp.optimizer_options(), no_decay}, group);
   TANDEM_COLD void set_optimizer_groups(std::vector<OptimizerOptions> groups, std::vector<std::size_t> group_of) {
-    if (!live_.yes) detail::fail("tandem: set_optimizer_groups on a DataParallel that has been moved from");
+    check_live("set_optimizer_groups");
     std::string problem;
     try {
       if (groups.empty()) detail::fail("tandem: set_optimizer_groups: no groups; give at least one");
@@ -1049,11 +1066,17 @@ class DataParallel {
     check_groups(what);
   }
 
-  /// That the parameters and the optimizer state are a whole training state: not moved from, not partly overwritten
-  /// by a failed load, and initialized on every rank.
-  void check_state_whole(const char* what) const {
+  /// A moved-from object may only be destroyed: every call that steps, communicates, or reads or writes the training
+  /// state refuses it here, before touching anything (a collective from it would pair with the live object's).
+  void check_live(const char* what) const {
     if (!live_.yes) detail::fail(std::string("tandem: ") + what + " on a DataParallel that has been moved from");
-    if (!restore_failed_.empty()) detail::fail(std::string("tandem: ") + what + ": " + restore_failed_);
+  }
+
+  /// That the parameters and the optimizer state are a whole training state: not moved from, not partly overwritten
+  /// by a failed load or a failed step's update, and initialized on every rank.
+  void check_state_whole(const char* what) const {
+    check_live(what);
+    if (!damaged_.empty()) detail::fail(std::string("tandem: ") + what + ": " + damaged_);
     if (!synced_)
       detail::fail(std::string("tandem: ") + what +
                    (state_.param_flat() == nullptr
@@ -1066,15 +1089,15 @@ class DataParallel {
 
   void check_no_open_bucket(const char* what) const {
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b)
-      if (bucket_open_[b])
+      if (open_.gradients[b])
         detail::fail(std::string("tandem: ") + what + " while bucket " + std::to_string(b) +
                      "'s GradientBucket is still open; release it (let it go out of scope) first");
   }
 
   /// The parameters are about to change: no pass may still be reading them.
   void check_no_open_parameters(const char* what) const {
-    for (std::size_t b = 0; b < params_open_.size(); ++b)
-      if (params_open_[b])
+    for (std::size_t b = 0; b < open_.parameters.size(); ++b)
+      if (open_.parameters[b])
         detail::fail(std::string("tandem: ") + what + " while bucket " + std::to_string(b) +
                      "'s ParameterBucket is still open; release it (let it go out of scope) first");
   }
@@ -1096,6 +1119,7 @@ class DataParallel {
 
   /// param_view(i), grad_view(i): owned storage and a tensor in range.
   void check_view(std::size_t i, const char* what) const {
+    check_live(what);
     require_owned(what);
     if (i >= layout_.size())
       detail::fail(std::string("tandem: ") + what + "(" + std::to_string(i) + "): index out of range; the layout has " +
@@ -1199,7 +1223,7 @@ class DataParallel {
 
   /// ParameterBucket::release: the user's stream records where its reads of a gathered bucket end.
   void release_params(std::size_t b) {
-    params_open_[b] = 0;
+    open_.parameters[b] = 0;
     const std::size_t slot = gathered_.find(b);
     if (slot == detail::GatherSlots::none) return;  // read where the policy keeps it
     gathered_.close(slot);
@@ -1321,10 +1345,10 @@ class DataParallel {
 
   /// GradientBucket::release: every tensor of bucket b not yet announced is grad_ready.
   void release_bucket(std::size_t b) {
-    bucket_open_[b] = 0;
+    open_.gradients[b] = 0;
     for (std::size_t i : plan_.bucket(b).tensors)
       if (!ready_[i]) {
-        ready_[i] = 1;
+        ready_[i] = released_with_bucket;
         ++bucket_ready_[b];
       }
     issue_completed_buckets();
@@ -1334,7 +1358,7 @@ class DataParallel {
   /// correctly. Nothing is issued; later calls say why they cannot go on until discard_gradients() or load_checkpoint
   /// resets the window.
   void abandon_bucket(std::size_t b) noexcept {
-    bucket_open_[b] = 0;
+    open_.gradients[b] = 0;
     broken_ = "bucket " + std::to_string(b) +
               "'s GradientBucket was destroyed by an exception during backward, so this micro-step's gradients are "
               "incomplete";
@@ -1383,7 +1407,7 @@ class DataParallel {
   /// Whether every tensor of the next bucket to issue has been announced by grad_ready.
   bool next_bucket_complete() const { return next_bucket_ < plan_.num_buckets() && bucket_complete(next_bucket_); }
   bool bucket_complete(std::size_t b) const {
-    return !bucket_open_[b] && bucket_ready_[b] == plan_.bucket(b).tensors.size();
+    return !open_.gradients[b] && bucket_ready_[b] == plan_.bucket(b).tensors.size();
   }
 
   /// The agreement's collectives run on the work stream, after the comm stream's.
@@ -1460,10 +1484,10 @@ class DataParallel {
       pslot_ready_.push_back(backend_.make_event());
       pslot_free_.push_back(backend_.make_event());
     }
-    params_open_.assign(plan_.num_buckets(), 0);
+    open_.parameters.assign(plan_.num_buckets(), 0);
     slots_ = detail::SlotPool(state_.grad_slots(), plan_.num_buckets());
     for (std::size_t k = 0; k < state_.grad_slots(); ++k) slot_events_.push_back(backend_.make_event());
-    bucket_open_.assign(plan_.num_buckets(), 0);
+    open_.gradients.assign(plan_.num_buckets(), 0);
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) params_ready_.push_back(backend_.make_event());
     params_pending_.assign(plan_.num_buckets(), 0);
   }
@@ -1691,6 +1715,29 @@ class DataParallel {
                                    work_stream());
   }
 
+  /// step()'s updates: every bucket's optimizer update, and its parameters out to where the user reads them.
+  void update_all(const StreamScope& scope) {
+    // Bucket b's gather and unpack on the comm stream, beside the next bucket's update on the work stream; the last
+    // bucket (the first layers, which the next forward reads first) first.
+    Ops ops{*this};
+    // A run of buckets (param_runs_) is unpacked in one launch once all its buckets are updated: at its lowest bucket,
+    // which this loop reaches last.
+    for (std::size_t b = plan_.num_buckets(); b-- > 0;) {
+      update(scope, b);
+      P::after_update(ops, b);
+      const Range& run = param_runs_.of(b);
+      if (b != run.begin) continue;
+      const Stream s = after_work();
+      (this->*steps_->params_out)(scope, run, s);
+      if (options_.parameters_ready == ParametersReady::by_bucket)
+        for (std::size_t k = run.begin; k < run.end; ++k) {
+          backend_.record(params_ready_[k], s);
+          params_pending_[k] = 1;
+        }
+    }
+    gathered_.forget();  // the shards changed: a bucket gathered for use is gathered again at its next use
+  }
+
   /// The optimizer over bucket b's owned range, one launch per segment of one optimizer group, its scalars those
   /// control_.prepare() made.
   void update(const StreamScope&, std::size_t b) {
@@ -1781,6 +1828,23 @@ class DataParallel {
   template <class T>
   using Buffer = typename Backend::template Buffer<T>;
 
+  /// Which buckets have a GradientBucket (gradients[b]) or a ParameterBucket (parameters[b]) alive. The first member,
+  /// so that moving a DataParallel while a handle is open throws before anything has moved: the handle refers to this
+  /// object, and the moved-to one could never see it released.
+  struct OpenHandles {
+    std::vector<unsigned char> gradients, parameters;
+    OpenHandles() = default;
+    OpenHandles(OpenHandles&& o) {
+      for (const auto& [open, handle] : {std::pair{&o.gradients, "GradientBucket"}, {&o.parameters, "ParameterBucket"}})
+        for (std::size_t b = 0; b < open->size(); ++b)
+          if ((*open)[b])
+            detail::fail("tandem: a DataParallel cannot be moved while bucket " + std::to_string(b) + "'s " + handle +
+                         " is open: the handle refers to it. Release the handle first; nothing was moved");
+      gradients = std::move(o.gradients);
+      parameters = std::move(o.parameters);
+    }
+    OpenHandles& operator=(OpenHandles&&) = delete;
+  } open_;
   Comm& comm_;
   Backend backend_;
   std::vector<OptimizerOptions> groups_;  ///< optimizer options per group; [0] is optimizer_options()
@@ -1808,22 +1872,22 @@ class DataParallel {
   detail::GatherSlots gathered_;                       ///< which bucket each gather buffer holds
   std::vector<typename Backend::Event> pslot_ready_;   ///< recorded when a gather into slot s is done (comm stream)
   std::vector<typename Backend::Event> pslot_free_;    ///< recorded on the user's stream when its reads of slot s end
-  std::vector<unsigned char> params_open_;             ///< a ParameterBucket of bucket b is alive
   detail::SlotPool slots_;                             ///< which gradient slot each bucket holds in this micro-step
   std::vector<typename Backend::Event> slot_events_;   ///< recorded when slot s is zero again (comm stream, or a reset)
   std::vector<typename Backend::Event> params_ready_;  ///< recorded after step()'s gather and unpack of bucket b (comm)
   std::vector<unsigned char> params_pending_;  ///< by_bucket: the user's stream has not waited for params_ready_[b]
-  std::vector<unsigned char> bucket_open_;     ///< a GradientBucket of bucket b is alive
   std::string broken_;                         ///< why the current micro-step cannot go on (empty: it can)
-  std::string restore_failed_;  ///< why the state cannot be trained on until a load succeeds (empty: it can)
+  std::string damaged_;  ///< why the state is no whole training state until a load succeeds (empty: it is)
   typename Backend::Event user_event_ = backend_.make_event();
   typename Backend::Event work_event_ = backend_.make_event();
   typename Backend::Event to_comm_ = backend_.make_event();    ///< recorded on the work stream, for the comm stream
   typename Backend::Event from_comm_ = backend_.make_event();  ///< recorded on the comm stream, for the work stream
-  bool comm_pending_ = false;              ///< work issued on the comm stream that the work stream has not waited for
-  std::vector<unsigned char> ready_;       ///< grad_ready seen for tensor i in this micro-step
-  std::vector<std::size_t> bucket_ready_;  ///< ready tensors per bucket in this micro-step
-  std::size_t next_bucket_ = 0;            ///< buckets [0, next_bucket_) are issued in this micro-step
+  bool comm_pending_ = false;  ///< work issued on the comm stream that the work stream has not waited for
+  std::vector<unsigned char>
+      ready_;  ///< tensor i announced in this micro-step: 1 by grad_ready, or released_with_bucket
+  static constexpr unsigned char released_with_bucket = 2;  ///< announced by its GradientBucket's release
+  std::vector<std::size_t> bucket_ready_;                   ///< ready tensors per bucket in this micro-step
+  std::size_t next_bucket_ = 0;                             ///< buckets [0, next_bucket_) are issued in this micro-step
   int micro_ = 0;
   std::uint64_t step_ = 0;
   std::uint64_t skipped_ = 0;
