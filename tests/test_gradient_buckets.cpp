@@ -377,9 +377,10 @@ enum class StepFailure {
   gather    ///< the first parameter gather after an update (OptimizerSharded)
 };
 
-/// Trains `steps` steps of the MLP at 2 ranks in copy mode (SGD with momentum, clipping); before step `fail_step` it
-/// saves a checkpoint, then the step fails as `failure` says, and `recover` is called with the checkpoint's path.
-/// Returns rank 0's final parameters.
+/// Trains `steps` steps of the MLP at 2 ranks in copy mode (SGD with momentum, clipping), each of 2 micro-steps (so a
+/// step() called again after a failed one would add the user's gradients to the reduced ones); before step
+/// `fail_step` it saves a checkpoint, then the step fails as `failure` says, and `recover` is called with the
+/// checkpoint's path. Returns rank 0's final parameters.
 template <class Policy>
 Params train_through_failure(int fail_step, StepFailure failure,
                              const std::function<void(test::DataParallel<Policy, tandem::SGD, test::CountingComm>&,
@@ -392,17 +393,19 @@ Params train_through_failure(int fail_step, StepFailure failure,
     mlp::Mlp<float> model(dims, 9);
     test::DataParallel<Policy, tandem::SGD, test::CountingComm> dp(
         comm, model.tensors(), {.lr = 0.05f, .momentum = 0.9f},
-        {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .max_grad_norm = 1.0f});
+        {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .accumulation_steps = 2, .max_grad_norm = 1.0f});
     REQUIRE(dp.num_buckets() > 2);
     dp.broadcast_parameters();
     const int local_batch = global_batch / 2;
     for (int s = 0; s < steps; ++s) {
-      model.forward_backward(dataset(), s * global_batch + comm.rank() * local_batch, local_batch);
+      if (s == fail_step) dp.save_checkpoint(saved);
+      model.forward_backward(dataset(), 2 * s * global_batch + comm.rank() * local_batch, local_batch);
+      CHECK(!dp.step().updated);
+      model.forward_backward(dataset(), (2 * s + 1) * global_batch + comm.rank() * local_batch, local_batch);
       if (s != fail_step) {
         CHECK(dp.step().updated);
         continue;
       }
-      dp.save_checkpoint(saved);
       if (failure == StepFailure::none) {
         dp.discard_gradients();
         continue;
@@ -426,9 +429,9 @@ Params train_through_failure(int fail_step, StepFailure failure,
 }  // namespace
 
 TEST_CASE("step() failing after the buckets' reduction, before any update: refused until discard_gradients") {
-  // The scalar all-reduce fails with the window's gradients reduced in place: a second reduction would add them
-  // again (the next step() had trained on them). Dropping the window goes on as if it had been dropped in the first
-  // place, bit for bit.
+  // The scalar all-reduce fails with the window's gradients reduced in place: a second step() would add the last
+  // micro-step's gradients to them and reduce again (it had trained on that). Dropping the window goes on as if it
+  // had been dropped in the first place, bit for bit.
   const Params reference = train_through_failure<tandem::Replicated>(3, StepFailure::none, [](auto&, auto&) {});
   const Params recovered = train_through_failure<tandem::Replicated>(3, StepFailure::scalars, [](auto& dp, auto&) {
     CHECK(test::message_of([&] { dp.step(); }) ==

@@ -100,6 +100,19 @@ TEST_CASE("detect_launch: each launcher's variables") {
     CHECK(contains(info.describe(), "rank 3 of 4, local rank 1 of 2"));
     CHECK(tandem::device_for(info, 2, lookup({})) == 1);
   }
+  SUBCASE("PMI ranks that are not the SLURM step's tasks (a launcher's proxies started by srun): not guessed") {
+    const auto info = detect({{"PMI_RANK", "3"},
+                              {"PMI_SIZE", "4"},
+                              {"SLURM_PROCID", "0"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_STEP_NUM_TASKS", "2"},
+                              {"SLURM_LOCALID", "0"},
+                              {"SLURM_NODEID", "0"},
+                              {"SLURM_TASKS_PER_NODE", "1(x2)"}});
+    CHECK(info.launcher == tandem::Launcher::pmi);
+    CHECK(!info.local_rank);
+    CHECK(info.missing == std::vector<std::string>{"MPI_LOCALRANKID", "MPI_LOCALNRANKS"});
+  }
   SUBCASE("SLURM job step: the local size comes from SLURM_TASKS_PER_NODE at SLURM_NODEID") {
     const auto info = detect({{"SLURM_PROCID", "6"},
                               {"SLURM_STEP_ID", "0"},

@@ -71,7 +71,7 @@ inline std::size_t shape_numel(const std::string& shape, const std::string& wher
   constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
   const auto too_large = [&] { tandem::detail::fail(where + ": shape '" + shape + "' has 2^64 elements or more"); };
   std::size_t product = 1, dim = 0;
-  bool digits = false, zero = false, overflow = false;  // a 0 dimension makes the product 0 however large the rest
+  bool digits = false, zero = false, overflow = false;  // a 0 dimension makes the product of the others 0
   const auto multiply = [&] {
     zero = zero || dim == 0;
     overflow = overflow || (dim != 0 && product > most / dim);

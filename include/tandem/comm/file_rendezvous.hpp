@@ -9,16 +9,17 @@
 //
 //   "TANDEMRV" | u32 version = 1 | u32 key bytes | u64 blob bytes | key | blob | u64 FNV-1a of everything before
 //
-// Readers poll until a file with their key appears or the timeout expires. The key tells this run's file from one an
-// earlier run left at the same path, so it must be unique to the run: something every rank knows and no other run
+// Readers poll until a file with their key appears or the timeout expires. The key tells this rendezvous's file from
+// one an earlier one left at the same path, so it must be unique to the rendezvous (a run that rendezvouses again, to
+// build a new communicator after an abort, say, adds a counter): something every rank knows and no other run
 // shares (SLURM_JOB_ID.SLURM_STEP_ID; torchrun's TORCHELASTIC_RUN_ID, its --rdzv-id, with TORCHELASTIC_RESTART_COUNT;
-// a value the launch script draws). MASTER_ADDR:MASTER_PORT is not: a rerun of the same command has the same one, and its readers, starting
-// before rank 0 publishes, would take the earlier run's blob. A file with another key is skipped as stale, and the
-// timeout error says so. A file with this run's key already there when rank 0 publishes means the key was used before
-// (a run that ended without removing its file, or two runs sharing a key): readers may have taken it, so publish_blob
-// removes it and throws. Rank 0 cannot know when the last reader is done, so it removes the file itself (remove_blob)
-// once every rank has used the blob: after a barrier, or, as nccl_from_environment does, once the communicator the
-// blob set up has been joined (which needs every rank).
+// a value the launch script draws). MASTER_ADDR:MASTER_PORT is not: a rerun of the same command has the same one, and
+// its readers, starting before rank 0 publishes, would take the earlier run's blob. A file with another key is skipped
+// as stale, and the timeout error says so. A file with this run's key already there when rank 0 publishes means the key
+// was used before (a run that ended without removing its file, or two runs sharing a key): readers may have taken it,
+// so publish_blob removes it and throws. Rank 0 cannot know when the last reader is done, so it removes the file itself
+// (remove_blob) once every rank has used the blob: after a barrier, or, as nccl_from_environment does, once the
+// communicator the blob set up has been joined (which needs every rank).
 //
 // (A TCP rendezvous at MASTER_ADDR:MASTER_PORT is not provided: the file, MPI, and the launcher's own channels cover
 // the launchers tandem supports; see docs/launching.md.)
@@ -230,8 +231,8 @@ inline std::vector<std::byte> wait_for_blob(const std::string& path, std::string
                       "` and found " + found);
 }
 
-/// Both halves: rank 0 publishes `blob`; every other rank fills `blob` (same size) from the file. Rank 0 removes the
-/// file (remove_blob) once every rank has used the blob.
+/// Both halves: rank 0 publishes `blob`; every other rank fills `blob` (same size) from the file. It removes nothing:
+/// rank 0 calls remove_blob once every rank has used the blob (after a barrier, say).
 inline void share_blob(const std::string& path, std::string_view key, int rank, std::span<std::byte> blob,
                        FileRendezvousOptions options = {}) {
   if (rank < 0) detail::fail("tandem: share_blob: `rank` is " + std::to_string(rank) + "; pass this process's rank");

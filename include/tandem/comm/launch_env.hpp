@@ -204,9 +204,16 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
   }
   info.rank = *rank;
   info.world_size = *size;
-  // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's local variables: the job step's say where it sits.
-  const bool pmi_in_slurm_step =
-      c.launcher == Launcher::pmi && env(c.local_rank) == nullptr && env("SLURM_STEP_ID") != nullptr;
+  // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's local variables: the job step's say where it sits, when
+  // the step's tasks are the PMI ranks (not a launcher's proxies started by srun).
+  const auto same = [&](const char* slurm, int value) {
+    const char* v = env(slurm);
+    return v != nullptr && std::string(v) == std::to_string(value);
+  };
+  const bool pmi_in_slurm_step = c.launcher == Launcher::pmi && env(c.local_rank) == nullptr &&
+                                 env("SLURM_STEP_ID") != nullptr && same("SLURM_PROCID", info.rank) &&
+                                 (same("SLURM_STEP_NUM_TASKS", info.world_size) ||
+                                  (env("SLURM_STEP_NUM_TASKS") == nullptr && same("SLURM_NTASKS", info.world_size)));
   const char* local_rank_var = pmi_in_slurm_step ? "SLURM_LOCALID" : c.local_rank;
   const char* local_size_var = pmi_in_slurm_step ? nullptr : c.local_size;
   info.local_rank = detail::env_int(env, local_rank_var, &info.found);
@@ -246,7 +253,9 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
 
 /// The GPU a process uses among the `visible` ones it sees (cudaGetDeviceCount; select_device in
 /// comm/nccl_bootstrap.hpp): device 0 where the launcher gave each process a GPU of its own (CUDA_VISIBLE_DEVICES set
-/// and one device visible: srun --gpus-per-task=1, a container per GPU), else the device of its local rank. Throws
+/// and one device visible: srun --gpus-per-task=1, a container per GPU), else the device of its local rank. (One
+/// CUDA_VISIBLE_DEVICES of one device exported to every process of a node looks the same: they all take it, and NCCL
+/// then refuses the duplicate GPU when they join.) Throws
 /// tandem::error, saying what the launcher told, when the local rank is unknown or there is no such device.
 inline int device_for(
     const LaunchInfo& info, int visible,

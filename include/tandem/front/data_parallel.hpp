@@ -162,8 +162,9 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
   /// Movable (construct it in a factory, keep it in a container): the buffers, tables and queued work move with it;
   /// the moved-from object may only be destroyed (the calls that act on it throw). Not while a GradientBucket or
-  /// ParameterBucket is open: the move throws tandem::error and moves nothing. Not assignable (it refers to its
-  /// communicator).
+  /// ParameterBucket is open: the move throws tandem::error and moves nothing, which is also why the move is not
+  /// noexcept (a std::vector that reallocates then loses the elements it had moved: release handles, or reserve, before
+  /// growing one). Not assignable (it refers to its communicator).
   DataParallel(DataParallel&&) = default;
   DataParallel& operator=(DataParallel&&) = delete;
 
@@ -318,7 +319,12 @@ class DataParallel {
              ", so some buckets may be updated and others not (and the ranks' copies may differ); load a checkpoint");
       throw;
     }
-    drop_window();
+    try {
+      drop_window();
+    } catch (const std::exception& e) {
+      failed(broken_, "clearing the window's gradients after the update", e, "");
+      throw;
+    }
     if (!decided)
       result = {.updated = true, .step = ++step_};
     else if (options_.step_report == StepReport::deferred)
