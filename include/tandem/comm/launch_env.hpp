@@ -253,18 +253,17 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
 
 /// The GPU a process uses among the `visible` ones it sees (cudaGetDeviceCount; select_device in
 /// comm/nccl_bootstrap.hpp): device 0 where the launcher gave each process a GPU of its own (CUDA_VISIBLE_DEVICES set
-/// and one device visible: srun --gpus-per-task=1, a container per GPU), else the device of its local rank. (One
+/// and one device visible: srun --gpus-per-task=1, a container per GPU), else the device of its local rank. Throws
+/// tandem::error, saying what the launcher told, when the local rank is unknown or there is no such device. (One
 /// CUDA_VISIBLE_DEVICES of one device exported to every process of a node looks the same: they all take it, and NCCL
-/// then refuses the duplicate GPU when they join.) Throws
-/// tandem::error, saying what the launcher told, when the local rank is unknown or there is no such device.
+/// then refuses the duplicate GPU when they join.)
 inline int device_for(
     const LaunchInfo& info, int visible,
     const EnvironmentLookup& env = [](const char* name) { return std::getenv(name); }) {
   if (!info.local_rank)
     detail::fail("tandem: select_device: the launcher did not say this process's local rank, so its GPU is unknown (" +
                  info.describe() +
-                 "); start it with a launcher that does (docs/launching.md), or call cudaSetDevice "
-                 "yourself");
+                 "); start it with a launcher that does (docs/launching.md), or call cudaSetDevice yourself");
   const char* mask = env("CUDA_VISIBLE_DEVICES");
   const std::string shown = mask != nullptr ? std::string(" (CUDA_VISIBLE_DEVICES=\"") + mask + "\")" : "";
   if (visible < 1)

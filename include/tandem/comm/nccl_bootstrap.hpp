@@ -50,9 +50,9 @@ Nccl nccl_from_host_comm(HostComm& host, NcclOptions options = {}) {
 }
 
 /// One process per GPU started by a launcher without MPI (torchrun-style RANK/WORLD_SIZE/LOCAL_RANK, or srun):
-/// selects the GPU by local rank, passes rank 0's id through the file `path` (tandem::share_blob; `job_key` must be
-/// unique to the run, e.g. SLURM_JOB_ID.SLURM_STEP_ID: see file_rendezvous.hpp), and joins. Rank 0 removes the file
-/// once it has joined (every rank has then read the id), or when joining fails.
+/// selects the GPU (select_device), passes rank 0's id through the file `path` (tandem::share_blob; `job_key` must be
+/// unique to the rendezvous, e.g. SLURM_JOB_ID.SLURM_STEP_ID: see file_rendezvous.hpp), and joins. Rank 0 removes the
+/// file once it has joined (every rank has then read the id), or when joining fails.
 inline Nccl nccl_from_environment(const std::string& path, std::string_view job_key, NcclOptions options = {},
                                   FileRendezvousOptions file = {}) {
   const LaunchInfo info = detect_launch();
