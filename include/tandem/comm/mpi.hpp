@@ -436,7 +436,7 @@ class Mpi {
                    " was given a CUDA stream; Mpi moves host memory on the calling thread, so it works with "
                    "HostBackend or StreamHostBackend. For device buffers use tandem::Nccl (nccl_from_host_comm joins "
                    "one over this Mpi)");
-    HostStream& queue = *static_cast<HostStream*>(stream.handle);
+    HostStream& queue = *detail::host_queue(stream);
     if (queue.capturing())
       detail::fail(call +
                    " on a capturing HostStream; Mpi runs its collectives on the calling thread, so a replay of the "
