@@ -175,6 +175,9 @@ TEST_CASE("detect_launch: inconsistent or malformed variables name themselves") 
                        "must be below the world size",
                        tandem::error);
   CHECK_THROWS_WITH_AS(detect({{"RANK", "1"}}), doctest::Contains("RANK is set but WORLD_SIZE is not"), tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "99999"}}),
+                       doctest::Contains("MASTER_PORT is 99999, not a TCP port (at most 65535)"), tandem::error);
+  CHECK(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "65535"}}).master_port == 65535);
   CHECK_THROWS_WITH_AS(detect({{"PMI_RANK", "1x"}, {"PMI_SIZE", "2"}}),
                        doctest::Contains("PMI_RANK is \"1x\", not a non-negative integer"), tandem::error);
   CHECK_THROWS_WITH_AS(detect({{"OMPI_COMM_WORLD_RANK", "0"},

@@ -91,6 +91,9 @@ using EnvironmentLookup = std::function<const char*(const char*)>;
 
 namespace detail {
 
+/// The process's own environment, the default EnvironmentLookup.
+inline const char* process_environment(const char* name) { return std::getenv(name); }
+
 /// The value of `name` as a non-negative int; throws naming the variable when it is not one.
 inline std::optional<int> env_int(const EnvironmentLookup& env, const char* name, std::vector<std::string>* found) {
   const char* v = env(name);
@@ -160,7 +163,7 @@ inline void check_launch(const LaunchInfo& info, const char* rank_var, const cha
 
 /// Reads the launcher's variables (see the table at the top of this header). Throws tandem::error when the launcher it
 /// recognises set them inconsistently; returns Launcher::none, rank 0 of 1, when no launcher's variables are set.
-inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* name) { return std::getenv(name); }) {
+inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_environment) {
   struct Candidate {
     Launcher launcher;
     const char *rank, *size, *size_fallback, *local_rank, *local_size;
@@ -244,6 +247,9 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
     }
     info.master_port = detail::env_int(env, "MASTER_PORT", &info.found);
     if (!info.master_port) info.missing.push_back("MASTER_PORT");
+    if (info.master_port && *info.master_port > 65535)
+      detail::fail("tandem: detect_launch (" + std::string(launcher_name(c.launcher)) + "): MASTER_PORT is " +
+                   std::to_string(*info.master_port) + ", not a TCP port (at most 65535); fix or unset it");
   }
   const char* size_name = env(c.size) != nullptr ? c.size : c.size_fallback;
   detail::check_launch(info, c.rank, size_name, local_rank_var,
@@ -257,9 +263,7 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = [](const char* na
 /// tandem::error, saying what the launcher told, when the local rank is unknown or there is no such device. (One
 /// CUDA_VISIBLE_DEVICES of one device exported to every process of a node looks the same: they all take it, and NCCL
 /// then refuses the duplicate GPU when they join.)
-inline int device_for(
-    const LaunchInfo& info, int visible,
-    const EnvironmentLookup& env = [](const char* name) { return std::getenv(name); }) {
+inline int device_for(const LaunchInfo& info, int visible, const EnvironmentLookup& env = detail::process_environment) {
   if (!info.local_rank)
     detail::fail("tandem: select_device: the launcher did not say this process's local rank, so its GPU is unknown (" +
                  info.describe() +
