@@ -19,6 +19,7 @@
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/comm.hpp"
 #include "support/params.hpp"
 #include "support/temp_path.hpp"
 #include "tandem/tandem.hpp"
@@ -136,6 +137,7 @@ TEST_CASE_TEMPLATE("resuming from a checkpoint is bit-identical to an uninterrup
     const Params resumed = train<P>(world, 10, 20, Action::load, path);
     CHECK(resumed == uninterrupted);
   }
+  std::filesystem::remove_all(path);  // (a save over the fp32 model's checkpoint is refused)
   const Params bf16 = train<P, tandem::BFloat16>(2, 0, 12, Action::none, path);
   train<P, tandem::BFloat16>(2, 0, 6, Action::save, path);
   CHECK(train<P, tandem::BFloat16>(2, 6, 12, Action::load, path) == bf16);
@@ -431,7 +433,159 @@ TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadab
   CHECK(train<tandem::OptimizerSharded>(2, 5, 5, Action::load, path) == second);
   for (const std::string& f : first_files) CHECK_FALSE(std::filesystem::exists(f));
   CHECK(shard_files(path).size() == 2);
+  CHECK(temporaries_of(path).empty());  // and those a crashed save left: its partial file
   std::filesystem::remove_all(path);
+}
+
+TEST_CASE("the manifest's rename commits a save: a failure after it keeps the new checkpoint, before it the old") {
+  const std::string dir = temp_path("commit"), elsewhere = temp_path("commit_elsewhere"),
+                    scratch = temp_path("commit_scratch");
+  const Params first = train<tandem::OptimizerSharded>(2, 0, 3, Action::save, dir);
+  const std::vector<std::string> first_files = shard_files(dir);
+  // Five steps, then a save: where `verdict_lost`, every collective of it after the manifest's rename fails (the
+  // ranks cannot learn whether rank 0 committed); else rank 1 saves to a directory of its own, which rank 0 does not
+  // see (a node-local disk). Returns each rank's message and rank 0's parameters.
+  const auto save = [&](bool verdict_lost) {
+    std::vector<std::string> messages(2);
+    Params params;
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& local) {
+      test::CountingComm comm{local, test::Collective::all_gather};
+      mlp::Mlp<float> model(dims, 5);
+      test::DataParallel<tandem::OptimizerSharded, tandem::AdamW, test::CountingComm> dp(
+          comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+          {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+      dp.broadcast_parameters();
+      for (int step = 0; step < 5; ++step) {
+        model.forward_backward(dataset(), step * global_batch + comm.rank() * 12, 12);
+        dp.step();
+      }
+      const int before = comm.count(test::Collective::all_gather);
+      dp.save_checkpoint(scratch);  // counts a save's all-gathers: the last one says whether rank 0 committed
+      comm.fail_at = verdict_lost ? 2 * comm.count(test::Collective::all_gather) - before - 1 : -1;
+      messages[static_cast<std::size_t>(comm.rank())] =
+          test::message_of([&] { dp.save_checkpoint(!verdict_lost && comm.rank() == 1 ? elsewhere : dir); });
+      if (comm.rank() == 0) params = as_float(model.params());
+    });
+    return std::pair(messages, params);
+  };
+  {
+    const auto [messages, params] = save(false);
+    CHECK(messages[0].find("rank 1's file, is not there") != std::string::npos);
+    CHECK(messages[0].find("every rank must save to one directory on storage they share") != std::string::npos);
+    CHECK(messages[1].find("rank 0 failed: ") != std::string::npos);
+    CHECK(shard_files(dir) == first_files);  // rank 0's new file is gone, the old checkpoint whole
+    CHECK(shard_files(elsewhere).empty());   // and so is rank 1's
+    CHECK(train<tandem::OptimizerSharded>(2, 3, 3, Action::load, dir) == first);
+  }
+  {
+    const auto [messages, params] = save(true);
+    CHECK(messages == std::vector<std::string>(2, "injected collective failure"));
+    // The manifest was renamed: it is the checkpoint, its files kept by every rank (they once removed theirs).
+    CHECK(tandem::verify_checkpoint(dir).manifest.step == 5);
+    CHECK(train<tandem::OptimizerSharded>(2, 5, 5, Action::load, dir) == params);
+    CHECK(shard_files(dir).size() == 2);
+  }
+  for (const std::string& d : {dir, elsewhere, scratch}) std::filesystem::remove_all(d);
+}
+
+TEST_CASE("a save over the checkpoint of other tensors is refused, on every rank, and that checkpoint stays") {
+  // As two DataParallel objects (two models, or a model's fp32 and bf16 parts) saving to one directory would: the
+  // second save removed the first's files.
+  const std::string dir = temp_path("two_models");
+  const Params saved = train<tandem::Replicated>(2, 0, 2, Action::save, dir);
+  const std::vector<std::string> files = shard_files(dir);
+  std::vector<std::string> messages(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> other({13, 37, 7}, 1);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, other.tensors());
+    dp.broadcast_parameters();
+    messages[static_cast<std::size_t>(comm.rank())] = test::message_of([&] { dp.save_checkpoint(dir); });
+  });
+  CHECK(messages[0].find("tandem: save_checkpoint: `" + dir +
+                         "` holds the checkpoint of other tensors (11 of them, Replicated, step 2; it holds `") !=
+        std::string::npos);
+  CHECK(messages[0].find("save each model, and each DataParallel of one, to a directory of its own, or remove that "
+                         "checkpoint first. Nothing was changed") != std::string::npos);
+  CHECK(messages[1].find("rank 0 failed: tandem: save_checkpoint: `") != std::string::npos);
+  CHECK(shard_files(dir) == files);
+  CHECK(train<tandem::Replicated>(2, 2, 2, Action::load, dir) == saved);
+  // The same tensors under another optimizer (or policy) replace it: the same model's run, changed.
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 5);
+    test::DataParallel<tandem::GradientSharded, tandem::SGD> dp(comm, model.tensors(), {.lr = 0.1f});
+    dp.broadcast_parameters();
+    dp.save_checkpoint(dir);
+  });
+  CHECK(tandem::verify_checkpoint(dir).manifest.optimizer == "SGD");
+  for (const std::string& msg : try_load(2, dir + "/manifest.json"))  // not "bad magic"
+    CHECK(msg == "tandem: `" + dir + "/manifest.json` is the manifest of a sharded checkpoint: load its directory, `" +
+                     dir + "`");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint of more files than a process keeps open loads, verifies and consolidates") {
+  const std::string dir = temp_path("many_files"), whole = temp_path("many_files_whole") + ".safetensors",
+                    reference = temp_path("many_files_reference") + ".safetensors";
+  const Params saved = train<tandem::Replicated>(4, 0, 2, Action::save, dir);
+  tandem::consolidate_checkpoint(dir, reference, tandem::Arrays::all);
+  const std::uint32_t digest = tandem::checkpoint_digest(dir);
+  // At most 2 of the 4 files open at once: each read past them closes the least recently read first.
+  tandem::detail::checkpoint_max_open_files() = 2;
+  CHECK(tandem::checkpoint_digest(dir) == digest);
+  tandem::verify_checkpoint(dir);
+  tandem::consolidate_checkpoint(dir, whole, tandem::Arrays::all);
+  CHECK(read_file(whole) == read_file(reference));
+  {
+    const tandem::CheckpointManifest m = tandem::detail::read_manifest(dir);
+    tandem::detail::ShardedCheckpoint ckpt(dir, m, tandem::Layout(m.tensors));
+    std::vector<unsigned char> chunk(tandem::detail::checkpoint_chunk_bytes);
+    for (const tandem::detail::CheckpointArray& a : tandem::detail::arrays_of(m))
+      for (std::size_t i = 0; i < m.tensors.size(); ++i)
+        ckpt.stream(a, i, m.tensors[i], chunk, [](const unsigned char*, std::size_t) {});
+    CHECK(ckpt.most_open() == 2);
+  }
+  tandem::detail::checkpoint_max_open_files() = 64;
+  // A load that reads every file (Replicated, at 1 and 3 ranks), each rank keeping at most 2 open.
+  for (int world : {1, 3}) {
+    CAPTURE(world);
+    Params loaded;
+    tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+      tandem::detail::checkpoint_max_open_files() = 2;
+      mlp::Mlp<float> model(dims, 1);
+      test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(),
+                                                               {.lr = 3e-3f, .weight_decay = 0.05f});
+      dp.load_checkpoint(dir);
+      if (comm.rank() == 0) loaded = as_float(model.params());
+      tandem::detail::checkpoint_max_open_files() = 64;
+    });
+    CHECK(loaded == saved);
+  }
+  std::filesystem::remove_all(dir);
+  std::remove(whole.c_str());
+  std::remove(reference.c_str());
+}
+
+TEST_CASE("16-bit parameters imported alone verify, consolidate and load: no master weights are looked for") {
+  const std::string dir = temp_path("bf16_saved"), imported = temp_path("bf16_imported"),
+                    file = temp_path("bf16_parameters") + ".safetensors", all = temp_path("bf16_all") + ".safetensors";
+  const Params saved = train<tandem::OptimizerSharded, tandem::BFloat16>(2, 0, 3, Action::save, dir);
+  tandem::consolidate_checkpoint(dir, file);  // bf16 parameters, whole
+  tandem::import_parameters(file, imported);
+  CHECK(tandem::verify_checkpoint(imported).manifest.param_dtype == tandem::DType::bf16);
+  tandem::checkpoint_digest(imported);
+  tandem::consolidate_checkpoint(imported, all, tandem::Arrays::all);
+  CHECK(tandem::SafetensorsFile(all).tensors().size() == saved.size());  // the parameters: nothing else is held
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<tandem::BFloat16> model(dims, 1);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors());
+    dp.load_checkpoint(imported);
+    CHECK(dp.step_count() == 0);
+    CHECK(as_float(model.params()) == saved);
+  });
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(imported);
+  std::remove(file.c_str());
+  std::remove(all.c_str());
 }
 
 TEST_CASE("a save whose rename fails removes its temporary file; saves to one path from many threads do not mix") {

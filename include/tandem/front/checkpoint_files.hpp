@@ -43,19 +43,6 @@ enum class Arrays {
   all          ///< also the master weights and optimizer state ("master/<name>", "state<k>/<name>")
 };
 
-namespace detail {
-
-inline CheckpointManifest read_manifest(const std::string& dir) {
-  const std::string path = dir + "/" + manifest_name;
-  return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
-}
-
-inline std::vector<CheckpointArray> arrays_of(const CheckpointManifest& m) {
-  return checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
-}
-
-}  // namespace detail
-
 /// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size.
 TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
   CheckpointSummary summary{detail::read_manifest(dir), 0};
@@ -89,8 +76,9 @@ TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
 }
 
 /// The CRC-32C of every array of every tensor of the checkpoint in `dir`, whole, in layout order: the bytes
-/// consolidate_checkpoint(dir, out, Arrays::all) writes as its data. Equal digests mean bitwise-equal states (the same
-/// parameters, master weights and optimizer state), whatever world size, policy and files saved them.
+/// consolidate_checkpoint(dir, out, Arrays::all) writes as its data: bitwise-equal states (the same parameters, master
+/// weights and optimizer state) give equal digests, whatever world size, policy and files saved them, and states that
+/// differ give different ones but for a chance of 2^-32 (a CRC-32C; the names and the step are not in it).
 TANDEM_COLD inline std::uint32_t checkpoint_digest(const std::string& dir) {
   const CheckpointManifest m = detail::read_manifest(dir);
   detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));

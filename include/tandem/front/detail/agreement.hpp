@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,21 +60,28 @@ inline std::string problem_of(const std::exception& e, const std::string& doing)
 }
 
 /// Every rank passes its own problem (empty: none, else the message it would throw, up to 503 bytes of it travel);
-/// if any rank has one, every rank throws tandem::error: its own message, or the first failing rank's, named.
-/// Collective.
+/// returns, on every rank, its own message, or else the first failing rank's, named; nullopt where no rank has one.
+/// Throws only where the collective does. Collective.
 template <Communicator Comm, class Backend>
-TANDEM_COLD void all_ranks_succeed(Comm& comm, Backend& backend, const std::string& problem) {
+TANDEM_COLD std::optional<std::string> first_problem(Comm& comm, Backend& backend, const std::string& problem) {
   constexpr std::size_t words = 64;
   std::vector<std::uint64_t> mine(words, 0);
   mine[0] = problem.empty() ? 0 : 1;
   std::memcpy(&mine[1], problem.data(), std::min((words - 1) * sizeof(std::uint64_t) - 1, problem.size()));
   const std::vector<std::uint64_t> all = all_gather_words(comm, backend, mine);
-  if (!problem.empty()) throw error(problem);
+  if (!problem.empty()) return problem;
   for (int r = 0; r < comm.size(); ++r) {
     const std::uint64_t* w = &all[static_cast<std::size_t>(r) * words];
     if (w[0] != 0)
-      fail("tandem: rank " + std::to_string(r) + " failed: " + std::string(reinterpret_cast<const char*>(&w[1])));
+      return "tandem: rank " + std::to_string(r) + " failed: " + std::string(reinterpret_cast<const char*>(&w[1]));
   }
+  return std::nullopt;
+}
+
+/// first_problem, thrown: if any rank has a problem, every rank throws tandem::error with it. Collective.
+template <Communicator Comm, class Backend>
+TANDEM_COLD void all_ranks_succeed(Comm& comm, Backend& backend, const std::string& problem) {
+  if (std::optional<std::string> failed = first_problem(comm, backend, problem)) throw error(std::move(*failed));
 }
 
 /// What must be equal on every rank for their DataParallel objects to work together, as words: the layout's

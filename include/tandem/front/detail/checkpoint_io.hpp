@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "tandem/comm/communicator.hpp"
+#include "tandem/core/atomic_file.hpp"
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/config.hpp"
@@ -91,6 +92,13 @@ inline std::vector<CheckpointArray> checkpoint_arrays(DType param_dtype, std::si
   for (std::size_t k = 0; k < state_count; ++k)
     arrays.push_back({Kind::state, k, DType::fp32, "state" + std::to_string(k) + "/"});
   return arrays;
+}
+
+/// The arrays the checkpoint of manifest `m` holds: the parameters alone where it is parameters-only (an import: no
+/// master weights even of 16-bit parameters, no state), else checkpoint_arrays.
+inline std::vector<CheckpointArray> arrays_of(const CheckpointManifest& m) {
+  if (m.parameters_only) return {{CheckpointArray::Kind::params, 0, m.param_dtype, ""}};
+  return checkpoint_arrays(m.param_dtype, m.state_count);
 }
 
 /// Elements [begin, end) of layout tensor `tensor`; its first element is at `flat` of the plan's flat space.
@@ -244,16 +252,28 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
   return out.commit();
 }
 
+/// The most files of a checkpoint a ShardedCheckpoint of this thread keeps open at once: 64 (a fraction of the usual
+/// limit of 1024 descriptors a process); tests lower it.
+inline std::size_t& checkpoint_max_open_files() {
+  static thread_local std::size_t files = 64;
+  return files;
+}
+
 /// A sharded checkpoint opened for loading: its manifest (checked by the caller), the plan that saved it, and its
-/// files, opened when first read. read() copies any range of any array of any tensor into backend memory, reading
-/// only the saved slices that overlap it, each verified against the checksum its file records.
+/// files, opened when first read, at most `max_open` at a time (a checkpoint of thousands of ranks read on one: the
+/// least recently read is closed first, and opened and checked again if read again). read() copies any range of any
+/// array of any tensor into backend memory, reading only the saved slices that overlap it, each verified against the
+/// checksum its file records.
 class ShardedCheckpoint {
  public:
-  ShardedCheckpoint(std::string dir, CheckpointManifest manifest, const Layout& layout)
+  ShardedCheckpoint(std::string dir, CheckpointManifest manifest, const Layout& layout,
+                    std::size_t max_open = checkpoint_max_open_files())
       : dir_(std::move(dir)),
         manifest_(std::move(manifest)),
         files_(manifest_.files.size()),
-        next_(manifest_.files.size(), 0) {
+        next_(manifest_.files.size(), 0),
+        used_(manifest_.files.size(), 0),
+        max_open_(std::max<std::size_t>(max_open, 1)) {
     if (manifest_.parameters_only) return;  // whole tensors in one file: no plan
     PlanOptions po;                         // the saving plan, as detail::plan_for cut it
     po.bucket_cap_bytes = static_cast<std::size_t>(manifest_.bucket_cap_bytes);
@@ -269,7 +289,9 @@ class ShardedCheckpoint {
 
   const CheckpointManifest& manifest() const { return manifest_; }
   /// Whether file `file` (of the manifest's list) has been opened.
-  bool opened(std::size_t file) const { return files_[file].has_value(); }
+  bool opened(std::size_t file) const { return used_[file] != 0; }
+  /// The most files that were open at once.
+  std::size_t most_open() const { return most_open_; }
   /// Bytes of data read from the files so far (headers not counted): every saved slice read() needed, whole.
   std::uint64_t bytes_read() const { return bytes_read_; }
 
@@ -412,7 +434,16 @@ class ShardedCheckpoint {
   }
 
   const SafetensorsFile& open(std::size_t file) {
+    used_[file] = ++clock_;
     if (!files_[file]) {
+      if (open_ == max_open_) {  // close the least recently read, once the run (which may point into it) is read
+        flush();
+        std::size_t oldest = file;
+        for (std::size_t f = 0; f < files_.size(); ++f)
+          if (files_[f] && (oldest == file || used_[f] < used_[oldest])) oldest = f;
+        files_[oldest].reset();
+        --open_;
+      }
       const CheckpointManifest::File& m = manifest_.files[file];
       const std::string path = dir_ + "/" + m.name;
       std::error_code error;
@@ -422,6 +453,7 @@ class ShardedCheckpoint {
         fail("tandem: `" + path + "` is " + std::to_string(size) + " bytes long; the checkpoint's manifest says " +
              std::to_string(m.bytes) + " (truncated, or from another save?)");
       files_[file].emplace(path);
+      most_open_ = std::max(most_open_, ++open_);
       if (files_[file]->header_crc() != m.header_crc)
         files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
     }
@@ -432,7 +464,10 @@ class ShardedCheckpoint {
   CheckpointManifest manifest_;
   Plan saved_;
   std::vector<std::optional<SafetensorsFile>> files_;
-  std::vector<std::size_t> next_;  ///< per file: the index of the entry after the last one found there
+  std::vector<std::size_t> next_;    ///< per file: the index of the entry after the last one found there
+  std::vector<std::uint64_t> used_;  ///< per file: when it was last read (clock_), 0 never
+  std::uint64_t clock_ = 0;
+  std::size_t max_open_, open_ = 0, most_open_ = 0;
   std::uint64_t bytes_read_ = 0;
   struct Run {  // slices adjacent in file `file` (bytes [file_begin, file_end)) and in host memory [to, to_end)
     std::size_t file = 0;
@@ -456,7 +491,7 @@ TANDEM_COLD void restore_sharded(const Backend& backend, const Plan& plan, const
                                  const TrainingState<Backend>& state, ShardedCheckpoint& ckpt, Restore mode) {
   using Kind = CheckpointArray::Kind;
   const CheckpointManifest& m = ckpt.manifest();
-  const std::vector<CheckpointArray> arrays = checkpoint_arrays(m.param_dtype, m.parameters_only ? 0 : m.state_count);
+  const std::vector<CheckpointArray> arrays = arrays_of(m);
   const std::size_t psize = dtype_size(m.param_dtype);
   std::vector<unsigned char> chunk;  // (ShardedCheckpoint::read allocates it if a slice is not read into place)
   // Array by array, tensor by tensor in flat order: the order of the saved files when the plan is the saving one, so
@@ -517,15 +552,94 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
   return text;
 }
 
-/// Makes `m` the checkpoint in `dir`: writes its manifest atomically over the previous one, then removes the files
-/// that only the previous one named (a save next to an old checkpoint replaces it; a crash before the rename leaves
-/// it whole).
-TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m) {
+/// The manifest of the checkpoint in `dir`; throws tandem::error where there is none or it does not read.
+inline CheckpointManifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/" + manifest_name;
+  return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
+}
+
+/// Whether `name` is one tandem writes into a checkpoint's directory: a save's file
+/// (step<N>-<id>-rank<R>-of<W>.safetensors), an import's (parameters-<id>.safetensors), or the temporary file of one of
+/// them or of the manifest (<name>.tmp.<pid>.<n>, core/atomic_file.hpp).
+inline bool is_checkpoint_file_name(std::string_view name) {
+  if (const std::size_t tmp = name.find(".tmp."); tmp != std::string_view::npos) {
+    if (name.substr(0, tmp) == manifest_name) return true;
+    name = name.substr(0, tmp);
+  }
+  const auto digits = [&](std::size_t& at) {
+    const std::size_t from = at;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+    return at > from;
+  };
+  const auto literal = [&](std::size_t& at, std::string_view text) {
+    if (name.substr(at, text.size()) != text) return false;
+    at += text.size();
+    return true;
+  };
+  const auto id = [&](std::size_t& at) {
+    for (std::size_t k = 0; k < 16; ++k, ++at)
+      if (at >= name.size() || std::string_view("0123456789abcdef").find(name[at]) == std::string_view::npos)
+        return false;
+    return true;
+  };
+  std::size_t at = 0;
+  if (literal(at, "parameters-")) return id(at) && literal(at, ".safetensors") && at == name.size();
+  return literal(at, "step") && digits(at) && literal(at, "-") && id(at) && literal(at, "-rank") && digits(at) &&
+         literal(at, "-of") && digits(at) && literal(at, ".safetensors") && at == name.size();
+}
+
+/// Throws tandem::error where `dir` holds the checkpoint of other tensors (names, sizes, dtypes, in any order) than
+/// `tensors`: a save of them would replace it, and it is most likely another model's (two DataParallel objects, of a
+/// model's two parameter dtypes, saving to one directory). A manifest that does not read is no checkpoint to keep.
+TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vector<TensorSpec>& tensors) {
+  if (!std::filesystem::exists(dir + "/" + manifest_name)) return;
+  CheckpointManifest old;
+  try {
+    old = read_manifest(dir);
+  } catch (const error&) {
+    return;
+  }
+  const auto sorted = [](std::vector<TensorSpec> v) {
+    std::sort(v.begin(), v.end(), [](const TensorSpec& x, const TensorSpec& y) { return x.name < y.name; });
+    return v;
+  };
+  const std::vector<TensorSpec> mine = sorted(tensors), theirs = sorted(old.tensors);
+  const auto same = [](const TensorSpec& x, const TensorSpec& y) {
+    return x.name == y.name && x.numel == y.numel && x.dtype == y.dtype;
+  };
+  if (std::ranges::equal(mine, theirs, same)) return;
+  std::string differ;
+  for (std::size_t i = 0; differ.empty() && i < std::max(mine.size(), theirs.size()); ++i) {
+    if (i < mine.size() && i < theirs.size() && same(mine[i], theirs[i])) continue;
+    const TensorSpec& t = i < theirs.size() ? theirs[i] : mine[i];
+    differ = naming(i < theirs.size() ? "it holds " : "it lacks ", t.name,
+                    " (" + std::to_string(t.numel) + " " + dtype_name(t.dtype) + ")");
+  }
+  fail("tandem: save_checkpoint: `" + dir + "` holds the checkpoint of other tensors (" +
+       std::to_string(old.tensors.size()) + " of them, " + (old.parameters_only ? "parameters only" : old.policy) +
+       ", step " + std::to_string(old.step) + "; " + differ + "), which this save would replace: save each model, " +
+       "and each DataParallel of one, to a directory of its own, or remove that checkpoint first. Nothing was changed");
+}
+
+/// Makes `m` the checkpoint in `dir`: checks that every file it names is there, whole (as this process sees `dir`: a
+/// rank that saved to storage of its own, not shared, is found here), writes the manifest atomically over the previous
+/// one, then removes the files that only the previous one named and those that crashed saves left (a save's files and
+/// temporary files that the new manifest does not name): a save next to an old checkpoint replaces it; a crash before
+/// the rename leaves it whole.
+TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m) {
+  for (std::size_t i = 0; i < m.files.size(); ++i) {
+    std::error_code e;
+    const std::string file = dir + "/" + m.files[i].name;
+    const std::uintmax_t size = std::filesystem::file_size(file, e);
+    if (e || size != m.files[i].bytes)
+      fail("tandem: `" + file + "`" + (m.parameters_only ? "" : ", rank " + std::to_string(i) + "'s file,") +
+           (e ? " is not there (" + e.message() + ")"
+              : " is " + std::to_string(size) + " bytes, not " + std::to_string(m.files[i].bytes)) +
+           " as rank 0 sees the directory: every rank must save to one directory on storage they share");
+  }
   std::vector<std::string> previous;
   try {
-    for (const CheckpointManifest::File& f : parse_manifest(read_text_file(path, "the manifest"), path).files)
-      previous.push_back(f.name);
+    for (const CheckpointManifest::File& f : read_manifest(dir).files) previous.push_back(f.name);
   } catch (const error&) {
     // no previous checkpoint here (or an unreadable one): nothing of it to remove
   }
@@ -533,13 +647,19 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
   if (text.size() > manifest_max_bytes)  // what is written can be read (read_text_file's limit)
     fail("tandem: the checkpoint manifest would take " + std::to_string(text.size()) + " bytes, over the " +
          std::to_string(manifest_max_bytes) + " tandem reads: fewer or shorter tensor names");
+  const std::string path = dir + "/" + manifest_name;
   AtomicFile out(path, "the checkpoint manifest");
   out.write(text.data(), text.size());
   out.commit();
-  for (const std::string& name : previous) {
-    bool kept = false;
-    for (const CheckpointManifest::File& f : m.files) kept = kept || f.name == name;
-    if (!kept) ::unlink((dir + "/" + name).c_str());
+  const auto named = [&](const std::string& name) {
+    return std::ranges::any_of(m.files, [&](const CheckpointManifest::File& f) { return f.name == name; });
+  };
+  for (const std::string& name : previous)
+    if (!named(name)) ::unlink((dir + "/" + name).c_str());
+  std::error_code e;  // (nothing here throws: the checkpoint is committed)
+  for (std::filesystem::directory_iterator it(dir, e), end; !e && it != end; it.increment(e)) {
+    const std::string name = it->path().filename().string();
+    if (is_checkpoint_file_name(name) && !named(name)) ::unlink(it->path().c_str());
   }
 }
 
