@@ -65,7 +65,8 @@ std::string usage() {
          "  --first-bucket-cap-mb X    the first bucket's cap in MiB (default " +
          num(static_cast<double>(d.first_bucket_cap_bytes) / mib) +
          ")\n"
-         "  --gradient-buffers K       GradientSharded with owned storage: reused bucket gradient buffers (default " +
+         "  --gradient-buffers K       GradientSharded (owned storage) and ParameterSharded: reused bucket gradient\n"
+         "                             buffers (default " +
          std::to_string(d.gradient_buffers) +
          ")\n"
          "  --parameter-buffers K      ParameterSharded: reused bucket buffers parameters are gathered into (default " +

@@ -389,11 +389,14 @@ class DataParallel {
   /// checkpoint in directory `dir` (created if missing): every rank writes its shard of every bucket to a safetensors
   /// file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes manifest.json,
   /// which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the previous
-  /// checkpoint in `dir` whole; after it, the previous one's files are removed. Collective; call it between optimizer
-  /// steps, not inside an accumulation window. If any rank fails, every rank throws tandem::error. It refuses, as
-  /// step() does, a state that a failed load_checkpoint left partly overwritten and, with owned storage, one whose
-  /// initial parameters were never set (broadcast_parameters, initialize_parameters), so that it never replaces a
-  /// good checkpoint with one that is not a training state.
+  /// checkpoint in `dir` whole; after it, the previous one's files are removed, and those crashed saves left. `dir`
+  /// must be one directory that every rank sees (shared storage: rank 0 checks that it finds every rank's file), and
+  /// one model's: a checkpoint of other tensors there is not replaced. Collective; call it between optimizer steps, not
+  /// inside an accumulation window. If any rank fails, every rank throws tandem::error; where the collective after the
+  /// manifest's rename fails, whether it was written is unknown, and `dir` holds the new checkpoint or the previous
+  /// one, whole (verify_checkpoint says which). It refuses, as step() does, a state that a failed load_checkpoint left
+  /// partly overwritten and, with owned storage, one whose initial parameters were never set (broadcast_parameters,
+  /// initialize_parameters), so that it never replaces a good checkpoint with one that is not a training state.
   TANDEM_COLD void save_checkpoint(const std::string& dir) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
@@ -411,10 +414,15 @@ class DataParallel {
     std::uint64_t id = 0;
     try {
       if (problem.empty()) std::filesystem::create_directories(dir);
-      if (rank_ == 0) id = detail::new_save_id();
     } catch (const std::exception& e) {
       problem = "tandem: save_checkpoint: cannot create the directory `" + dir + "`: " + e.what();
     }
+    if (rank_ == 0 && problem.empty()) try {
+        detail::check_replaceable(dir, layout_.tensors());
+        id = detail::new_save_id();
+      } catch (const std::exception& e) {
+        problem = detail::problem_of(e, "reading the checkpoint `" + dir + "` this save would replace");
+      }
     all_ranks_succeed(problem);
     id = all_gather_words({id})[0];  // rank 0's: the name of this save's files
     SafetensorsSummary mine;
@@ -454,8 +462,15 @@ class DataParallel {
       } catch (const std::exception& e) {
         problem = detail::problem_of(e, "writing the manifest of the checkpoint `" + dir + "`");
       }
-    all_ranks_succeed(problem);
-    orphan.kept = true;
+    // The manifest's rename is the commit: from there on the files it names are the checkpoint. Where the collective
+    // that tells the ranks whether rank 0 got there fails, every file stays (a stray file, removed by the next save,
+    // rather than a committed checkpoint missing a shard); where it says rank 0 failed, none does.
+    orphan.kept = rank_ != 0 || problem.empty();
+    join_comm();
+    if (std::optional<std::string> failed = detail::first_problem(comm_, backend_, problem)) {
+      orphan.kept = false;
+      throw error(std::move(*failed));
+    }
   }
 
   /// Restores the training state from a checkpoint, at any world size and under any policy: a directory written by
@@ -492,6 +507,9 @@ class DataParallel {
         // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
         detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::check);
       } else {
+        if (std::filesystem::path(path).filename() == detail::manifest_name)
+          detail::fail("tandem: `" + path + "` is the manifest of a sharded checkpoint: load its directory, `" +
+                       std::filesystem::path(path).parent_path().string() + "`");
         single = read_checkpoint(path);
         detail::check_checkpoint(*single, path, layout_, Opt::name, state_.state_count(), pdtype_);
         step = single->step;
@@ -682,9 +700,10 @@ class DataParallel {
 
   /// Owned storage: writes the initial parameters on `root` and gives them to every rank, bucket by bucket, then
   /// derives the fp32 master weights. For each tensor i, in bucket order, `fill(i, values)` is called on rank `root`
-  /// only with a pointer to tensor i's numel elements of T (the parameter dtype's type) in backend memory; the values
-  /// it writes there (with host stores on the host backend, or work ordered on options().stream) become tensor i's
-  /// parameters on every rank. Under ParameterSharded this is the only way to set them, and it never holds more than
+  /// only with a pointer to tensor i's numel elements of T (the parameter dtype's type) in backend memory, holding its
+  /// current parameters (zero before any were set; under every policy); the values there once it returns (written with
+  /// host stores on the host backend, or by work ordered on options().stream) become tensor i's parameters on every
+  /// rank. Under ParameterSharded this is the only way to set them, and it never holds more than
   /// one bucket; under the other policies it writes the views and calls broadcast_parameters(root). Collective. Call it
   /// before the first step(); optimizer state and the step count are left as they are. If `fill` throws on the root,
   /// every rank throws tandem::error saying so, and stepping is refused until a call succeeds.
@@ -727,7 +746,8 @@ class DataParallel {
       for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
         const Bucket& bucket = plan_.bucket(b);
         backend_.wait(work_stream(), pslot_free_[0]);  // the user's last reads of the buffer, and its last fill
-        backend_.zero(slot, bucket.size * psize_, work_stream());
+        // the current parameters, as the other policies' views show them: a fill may leave some, or read them
+        comm_.all_gather(owned_params(b), slot, bucket.shard_size, pdtype_, work_stream());
         backend_.record(pslot_ready_[0], work_stream());
         if (rank_ == root) backend_.wait(options_.stream, pslot_ready_[0]);
         fill_on_root(b, b + 1, [&](std::size_t i) { return reinterpret_cast<T*>(slot) + plan_.placement(i).offset; });

@@ -4,8 +4,10 @@
 // the other), so unlike SlotPool there is no order to protect: a slot is held while a handle on it is open, pending
 // from a prefetch until the bucket is opened, and otherwise free but still holding its bucket, which a later open
 // finds without gathering again (the last bucket of forward is the first of backward). A free slot is reused least
-// recently released first. Host bookkeeping only; the buffers, their events and the gathers belong to the caller.
-// Every rank makes the same calls in the same order, so every rank makes the same choices and the gathers match.
+// recently gathered first. Host bookkeeping only; the buffers, their events and the gathers belong to the caller.
+// Every rank makes the same calls in the same order, so every rank makes the same choices and the gathers match. The
+// choice depends on the gathers alone, not on when handles were released, so that a rank opening again a bucket it
+// still holds (a read on rank 0 only, for logging), and releasing it before the next gather, chooses as the others do.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +40,7 @@ class GatherSlots {
   std::size_t bucket_of(std::size_t slot) const { return slots_[slot].bucket; }
 
   /// A slot for bucket b that is neither held nor pending, now recorded as holding b (whose parameters the caller
-  /// gathers into it): an empty one first, else the one released longest ago. Throws tandem::error (and changes
+  /// gathers into it): an empty one first, else the one gathered longest ago. Throws tandem::error (and changes
   /// nothing) when every slot is held or pending.
   std::size_t assign(std::size_t bucket) {
     std::size_t best = none;
@@ -56,7 +58,7 @@ class GatherSlots {
            "); release a ParameterBucket first, prefetch less far ahead, or raise "
            "DataParallelOptions::parameter_buffers");
     }
-    slots_[best] = {bucket, false, false, 0};
+    slots_[best] = {bucket, false, false, ++clock_};
     return best;
   }
 
@@ -68,10 +70,7 @@ class GatherSlots {
   /// A prefetch gathered into slot s: it stays reserved until its bucket is opened.
   void prefetched(std::size_t slot) { slots_[slot].pending = true; }
   /// The handle on slot s is released: free, still holding its bucket.
-  void close(std::size_t slot) {
-    slots_[slot].held = false;
-    slots_[slot].released = ++clock_;
-  }
+  void close(std::size_t slot) { slots_[slot].held = false; }
   bool held(std::size_t slot) const { return slots_[slot].held; }
   /// Slot s holds nothing after all (its gather failed).
   void drop(std::size_t slot) { slots_[slot] = {}; }
@@ -90,10 +89,10 @@ class GatherSlots {
     std::size_t bucket = none;
     bool held = false;
     bool pending = false;
-    std::uint64_t released = 0;  ///< when it was last released (0: never held, or forgotten)
+    std::uint64_t gathered = 0;  ///< when its bucket was assigned (gathered)
   };
-  /// Reuse order: empty slots first, then by release time.
-  static std::uint64_t rank_of(const Slot& slot) { return slot.bucket == none ? 0 : slot.released + 1; }
+  /// Reuse order: empty slots first, then by gather time.
+  static std::uint64_t rank_of(const Slot& slot) { return slot.bucket == none ? 0 : slot.gathered; }
 
   std::vector<Slot> slots_;
   std::uint64_t clock_ = 0;
