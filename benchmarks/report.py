@@ -97,8 +97,8 @@ def main(results, docs):
     w("")
     w("The all-reduce target asks the machine for more memory traffic than it has: an out-of-place all-reduce")
     w("over n ranks must read every send buffer and write every receive buffer (2 × n × 64 MB), and "
-      "`x_floor` divides the measured time by that traffic at the aggregate memcpy rate of 2 threads measured "
-      "in the same run. A figure near 1.0 is as fast as memory allows here. Open MPI's `MPI_Allreduce` is "
+      "`x_floor` divides the measured time by that traffic at the aggregate memcpy rate of 2 threads copying "
+      "64 MB each, measured right after it. A figure near 1.0 is as fast as memory allows here. Open MPI's `MPI_Allreduce` is "
       "compared in [LocalGroup and tandem::Mpi against MPI_Allreduce]"
       "(#localgroup-and-tandemmpi-against-mpi_allreduce).")
     w("")
@@ -142,7 +142,10 @@ def main(results, docs):
     # ---- collectives --------------------------------------------------------------------------------------------
     w("## LocalGroup collectives")
     w("")
-    w("fp32, bytes = the full buffer; algorithm and bus bandwidth as nccl-tests define them.")
+    w("fp32, bytes = the full buffer; algorithm and bus bandwidth as nccl-tests define them. `x floor` = the time "
+      "over that of the memory traffic every rank together must make (all-reduce and all-gather out of place: "
+      "2 × ranks × bytes; reduce-scatter: (ranks + 1) × bytes) at the aggregate memcpy rate of min(ranks, cores) "
+      "threads, each copying a buffer of that size, measured right after the case.")
     w("")
     w("| collective | ranks | bytes | time us | algbw GB/s | busbw GB/s | x floor |")
     w("|---|---|---|---|---|---|---|")
@@ -242,7 +245,9 @@ def transformer_section(results, w):
     w("## Tiny transformer: tandem against PyTorch DDP")
     w("")
     if not os.path.exists(path):
-        w("Not measured in this run (needs Debian's python3-torch).")
+        skipped = os.path.join(results, "transformer.skipped")
+        reason = open(skipped).read().strip() if os.path.exists(skipped) else "no result"
+        w(f"Not measured in this run ({reason}).")
         w("")
         return
     with open(path) as f:

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The peer of bench_cuda's cuda_adamw/fp32: PyTorch's fused AdamW, torch.optim.AdamW(fused=True), on one flat fp32
 parameter of --elements elements on the GPU, with tandem's default options (lr 1e-3, betas 0.9 and 0.999, eps 1e-8,
-weight decay 1e-2) and zeroed data, as bench_cuda's case has. tools/gpu-check's `peer` step runs it and divides
+weight decay 1e-2) and the data bench_cuda's case has: every element of the parameter, the gradient and both moments
+0.186 (bytes 0x3e), not zeros. tools/gpu-check's `peer` step runs it and divides
 tandem's bytes/s by these.
 
 Timing: CUDA events around --per-event steps (the Python dispatch of one step then overlaps the GPU's work on the one
@@ -15,6 +16,7 @@ Prints one JSON line: {"name", "elements", "seconds", "bytes_per_second", "torch
 import argparse
 import json
 import statistics
+import struct
 import sys
 
 
@@ -33,10 +35,15 @@ def main():
     if not torch.cuda.is_available():
         print(json.dumps({"error": "torch sees no CUDA device", "torch": torch.__version__}))
         return 2
-    param = torch.zeros(args.elements, dtype=torch.float32, device="cuda", requires_grad=True)
-    param.grad = torch.zeros_like(param)
+    value = struct.unpack("<f", b"\x3e" * 4)[0]  # bench_cuda's cudaMemset(p, 0x3e, ...)
+    param = torch.full((args.elements,), value, dtype=torch.float32, device="cuda", requires_grad=True)
+    param.grad = torch.full_like(param, value)
     optimizer = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, fused=True)
     with torch.no_grad():
+        optimizer.step()  # creates the moments (zeros), which then start as bench_cuda's do
+        param.fill_(value)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            optimizer.state[param][moment].fill_(value)
         for _ in range(args.warmup):
             optimizer.step()
         torch.cuda.synchronize()
