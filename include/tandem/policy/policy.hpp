@@ -28,9 +28,10 @@ enum class Storage {
 /// `buckets` is every buffer tandem allocates besides master weights and optimizer state (its flat copies and the
 /// shard accumulator too), and `pack_tables` the tables its pack and unpack launches read (kernels/pack.hpp); with
 /// Storage::owned, `params` and `grads` are tandem's storage that lives across the step, `buckets` is its transient
-/// storage, and there are no pack tables. Not counted: the gradient norm's buffers (a few words per bucket, and on CUDA
-/// a double per 4096 elements of the largest range summed, with CUB's temporary storage: about 13 KB for a 25 MB
-/// bucket; from the first clipped or checked step), and the backend's and communicator's own workspaces.
+/// storage, and there are no pack tables. Not counted: the optimizer step's scalars (the gradient norm's terms and the
+/// options check, a double per bucket and owned shard and a few more, allocated at construction), on CUDA the norm's
+/// scratch (a double per 4096 elements of the largest range summed, with CUB's temporary storage: about 13 KB for a
+/// 25 MB bucket; from the first clipped or checked step), and the backend's and communicator's own workspaces.
 struct MemoryReport {
   std::size_t params = 0;           ///< parameter storage
   std::size_t grads = 0;            ///< gradient storage (the user's buffers, or what tandem keeps across the step)

@@ -651,9 +651,10 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
   AtomicFile out(path, "the checkpoint manifest");
   out.write(text.data(), text.size());
   out.commit();
-  const auto named = [&](const std::string& name) {
-    return std::ranges::any_of(m.files, [&](const CheckpointManifest::File& f) { return f.name == name; });
-  };
+  std::vector<std::string> names;  // sorted: a directory of many ranks' files is searched once per entry
+  for (const CheckpointManifest::File& f : m.files) names.push_back(f.name);
+  std::sort(names.begin(), names.end());
+  const auto named = [&](const std::string& name) { return std::binary_search(names.begin(), names.end(), name); };
   for (const std::string& name : previous)
     if (!named(name)) ::unlink((dir + "/" + name).c_str());
   std::error_code e;  // (nothing here throws: the checkpoint is committed)

@@ -14,7 +14,7 @@
 //   staging      fp32              one bucket of packed gradients                     (M)
 //   grad_shard   its dtype         the reduced-gradient shard accumulator             (S)
 //   reduce       reduce dtype      one bucket rounded for a 16-bit reduction          (M)
-//   norm         fp64              the gradient norm's terms (allocated at first use, not counted)
+//   scalars      fp64              the optimizer step's: the norm's terms, the options check (not counted)
 #pragma once
 
 #include <cstddef>
