@@ -2,9 +2,11 @@
 // scaling_model: prints docs/scaling.md's tables. For GPT-2 124M (read from its tensor list) and GPT-2 350M
 // (generated), each policy and world sizes 1-64: predicted step time, exposed communication with and without
 // overlap, scaling efficiency, and memory per GPU. An analytical model (scaling_model.hpp); no GPU needed.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -25,27 +27,55 @@ const char* usage =
     "  --tsv PATH             GPT-2 124M tensor list (default " TANDEM_DATA_DIR
     "/gpt2_124m.tsv)\n"
     "  --gpu h100|h200        published HBM bandwidth of the GPU: 3.35 or 4.8 TB/s (default h100)\n"
-    "  --kernel-bw GB/s       measured bandwidth of tandem's kernels (default: fraction x HBM)\n"
-    "  --kernel-bw-fraction F kernel bandwidth as a fraction of HBM when not measured (default 0.8)\n"
-    "  --busbw-intra GB/s     nccl-tests bus bandwidth within a node (default 370)\n"
-    "  --busbw-inter GB/s     nccl-tests bus bandwidth across nodes (default 368)\n"
-    "  --gpus-per-node N      worlds up to N use the intra-node bandwidth (default 8)\n"
-    "  --latency-us X         fixed cost per collective call, microseconds (default 0)\n"
-    "  --mfu F                model FLOPs utilization (default 0.4)\n"
-    "  --peak-tflops X        bf16 dense peak (default 989.4)\n"
-    "  --tokens N             tokens per GPU per micro-step (default 16384)\n"
-    "  --accum K              micro-steps per optimizer step (default 1)\n";
+    "  --kernel-bw GB/s       measured bandwidth of tandem's kernels, > 0 (default: fraction x HBM)\n"
+    "  --kernel-bw-fraction F kernel bandwidth as a fraction of HBM when not measured, in (0, 1] (default 0.8)\n"
+    "  --busbw-intra GB/s     nccl-tests bus bandwidth within a node, > 0 (default 370)\n"
+    "  --busbw-inter GB/s     nccl-tests bus bandwidth across nodes, > 0 (default 368)\n"
+    "  --gpus-per-node N      worlds up to N use the intra-node bandwidth, a whole number >= 1 (default 8)\n"
+    "  --latency-us X         fixed cost per collective call, microseconds, >= 0 (default 0)\n"
+    "  --mfu F                model FLOPs utilization, in (0, 1] (default 0.4)\n"
+    "  --peak-tflops X        bf16 dense peak, > 0 (default 989.4)\n"
+    "  --tokens N             tokens per GPU per micro-step, > 0 (default 16384)\n"
+    "  --accum K              micro-steps per optimizer step, a whole number >= 1 (default 1)\n";
 
 [[noreturn]] void die(const std::string& message) {
   std::fprintf(stderr, "scaling_model: %s\n%s", message.c_str(), usage);
   std::exit(2);
 }
 
+/// The finite number `text`, or die naming `flag`.
 double number(const std::string& flag, const char* text) {
   char* end = nullptr;
   const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0') die(flag + " expects a number, got '" + text + "'");
+  if (end == text || *end != '\0' || !std::isfinite(v)) die(flag + " expects a finite number, got '" + text + "'");
   return v;
+}
+
+double positive(const std::string& flag, const char* text) {
+  const double v = number(flag, text);
+  if (!(v > 0.0)) die(flag + " expects a number > 0, got '" + std::string(text) + "'");
+  return v;
+}
+
+double non_negative(const std::string& flag, const char* text) {
+  const double v = number(flag, text);
+  if (!(v >= 0.0)) die(flag + " expects a number >= 0, got '" + std::string(text) + "'");
+  return v;
+}
+
+double fraction(const std::string& flag, const char* text) {
+  const double v = number(flag, text);
+  if (!(v > 0.0 && v <= 1.0)) die(flag + " expects a fraction in (0, 1], got '" + std::string(text) + "'");
+  return v;
+}
+
+/// A whole number from 1 to INT_MAX (checked before the conversion: a double beyond int's range does not convert).
+int count(const std::string& flag, const char* text) {
+  const double v = number(flag, text);
+  if (!(v >= 1.0 && v <= double(std::numeric_limits<int>::max()) && v == std::floor(v)))
+    die(flag + " expects a whole number from 1 to " + std::to_string(std::numeric_limits<int>::max()) + ", got '" +
+        text + "'");
+  return static_cast<int>(v);
 }
 
 double ms(double seconds) { return seconds * 1e3; }
@@ -128,25 +158,25 @@ int main(int argc, char** argv) {
         die("--gpu expects h100 or h200, got '" + g + "'");
       }
     } else if (flag == "--kernel-bw") {
-      in.kernel_bandwidth = number(flag, value) * 1e9;
+      in.kernel_bandwidth = positive(flag, value) * 1e9;
     } else if (flag == "--kernel-bw-fraction") {
-      in.kernel_bandwidth_fraction = number(flag, value);
+      in.kernel_bandwidth_fraction = fraction(flag, value);
     } else if (flag == "--busbw-intra") {
-      in.busbw_intra = number(flag, value) * 1e9;
+      in.busbw_intra = positive(flag, value) * 1e9;
     } else if (flag == "--busbw-inter") {
-      in.busbw_inter = number(flag, value) * 1e9;
+      in.busbw_inter = positive(flag, value) * 1e9;
     } else if (flag == "--gpus-per-node") {
-      in.gpus_per_node = static_cast<int>(number(flag, value));
+      in.gpus_per_node = count(flag, value);
     } else if (flag == "--latency-us") {
-      in.collective_latency = number(flag, value) * 1e-6;
+      in.collective_latency = non_negative(flag, value) * 1e-6;
     } else if (flag == "--mfu") {
-      in.mfu = number(flag, value);
+      in.mfu = fraction(flag, value);
     } else if (flag == "--peak-tflops") {
-      in.peak_flops = number(flag, value) * 1e12;
+      in.peak_flops = positive(flag, value) * 1e12;
     } else if (flag == "--tokens") {
-      in.tokens_per_gpu = number(flag, value);
+      in.tokens_per_gpu = positive(flag, value);
     } else if (flag == "--accum") {
-      in.accumulation_steps = static_cast<int>(number(flag, value));
+      in.accumulation_steps = count(flag, value);
     } else {
       die("unknown flag: " + flag);
     }

@@ -176,7 +176,7 @@ class DistributedSampler {
 
   /// The examples rank `rank` of `world` trains on in micro-batch `micro` of `accumulation` of global step `step`.
   std::vector<std::size_t> indices(std::uint64_t step, int micro, int accumulation, int rank, int world) {
-    if (accumulation < 1 || world < 1 || batch_ % (accumulation * world) != 0)
+    if (accumulation < 1 || world < 1 || batch_ % (std::int64_t(accumulation) * world) != 0)  // 64-bit: no overflow
       throw std::invalid_argument("sampler: the global batch (" + std::to_string(batch_) +
                                   ") must be a multiple of accumulation x ranks (" + std::to_string(accumulation) +
                                   " x " + std::to_string(world) + ")");

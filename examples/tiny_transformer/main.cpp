@@ -2,12 +2,18 @@
 // tiny_transformer: trains a small decoder-only transformer with tandem on N ranks, on a task made here
 // (sorting lists of numbers) or on the bytes of any text file, and with --compare tells the story of data
 // parallelism: 1 rank against N ranks under each policy — time down, accuracy unchanged.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -32,13 +38,17 @@ class ProgressReporter {
  public:
   explicit ProgressReporter(std::string label) : label_(std::move(label)), tty_(isatty(STDOUT_FILENO) != 0) {}
 
-  void operator()(int step, int steps, double loss, double seconds) {
-    const double tokens_per_second = seconds > 0 ? tokens_per_step_ * step / seconds : 0;
-    const double eta = step > 0 ? seconds * (steps - step) / step : 0;
+  /// Rates and the ETA over the steps the clock covers (it restarts after --untimed-steps; with --resume it starts at
+  /// the checkpoint's step), so that the last line's tokens/s is the table's.
+  void operator()(const tiny::StepReport& r) {
+    const int step = r.step, steps = r.steps;
+    const double seconds = r.seconds, loss = r.loss;
+    const double tokens_per_second = seconds > 0 ? tokens_per_step_ * r.timed_steps / seconds : 0;
+    const double eta = r.timed_steps > 0 ? seconds * (steps - step) / r.timed_steps : 0;
     if (tty_) {
       if (step < steps && seconds - last_draw_ < 0.1) return;
       last_draw_ = seconds;
-      const int width = 24, filled = width * step / steps;
+      const int width = 24, filled = int(std::int64_t(width) * step / steps);  // 64-bit: 24 x step overflows an int
       std::printf("\r  %-22s [%s%s] %5d/%d  loss %.4f  %7.0f tok/s  ETA %3.0f s ", label_.c_str(),
                   std::string(std::size_t(filled), '#').c_str(), std::string(std::size_t(width - filled), '.').c_str(),
                   step, steps, loss, tokens_per_second, eta);
@@ -91,6 +101,44 @@ void write_csv(const std::string& path, const std::vector<Row>& rows, const tiny
         << row.result.memory.model_states() << ',' << row.result.memory.buckets << '\n';
 }
 
+/// Throws unless the file `path` (given to `flag`) can be opened for writing now, so that a run whose results could not
+/// be written is refused before it trains. Leaves the file system as it found it: an existing file is opened without
+/// truncating it, a new one is created and removed again.
+void check_writable_file(const std::string& flag, const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  const bool created = fd >= 0;
+  if (!created && errno == EEXIST) fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) {
+    const int error = errno;
+    throw std::invalid_argument(flag + " " + path + ": cannot write the file: " + std::strerror(error) +
+                                " (checked before training)");
+  }
+  ::close(fd);
+  if (created) ::unlink(path.c_str());
+}
+
+/// Throws unless a checkpoint can be saved in the directory `dir` (--save saves after training, and every --save-every
+/// steps): a file can be created in `dir`, or, where it does not exist yet, in its nearest existing ancestor, which
+/// save_checkpoint will create it under. The probe file is removed again; nothing is created that stays.
+void check_save_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path at = fs::absolute(fs::path(dir), ec);
+  if (ec) throw std::invalid_argument("--save " + dir + ": " + ec.message());
+  while (!fs::exists(at, ec) && at.has_parent_path() && at.parent_path() != at) at = at.parent_path();
+  if (!fs::is_directory(at, ec))
+    throw std::invalid_argument("--save " + dir + ": " + at.string() + " is not a directory (checked before training)");
+  const fs::path probe = at / (".tiny_transformer_save_check." + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int error = errno;
+    throw std::invalid_argument("--save " + dir + ": cannot create a file in " + at.string() + ": " +
+                                std::strerror(error) + " (checked before training)");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 /// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
 std::uint64_t fingerprint(const std::vector<float>& params) {
   std::uint64_t h = 0xcbf29ce484222325ull;
@@ -100,6 +148,15 @@ std::uint64_t fingerprint(const std::vector<float>& params) {
 }
 
 #if defined(TINY_HAVE_MPI)
+/// Rank 0's problem (empty: none) on every process of the job, so that they all stop, or none does.
+std::string rank0_problem(std::string problem) {
+  int size = int(problem.size());
+  MPI_Bcast(&size, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  problem.resize(std::size_t(size));
+  MPI_Bcast(problem.data(), size, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return problem;
+}
+
 /// Whether this process was started by an MPI launcher as one of several ranks (then each process is one rank).
 bool launched_by_mpi() {
   const tandem::LaunchInfo launch = tandem::detect_launch();
@@ -214,7 +271,10 @@ int main(int argc, char** argv) {
     }
   } finalize{mpi};
   int process_rank = 0;
-  if (mpi) MPI_Comm_rank(MPI_COMM_WORLD, &process_rank);
+  if (mpi) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &process_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &ranks);  // each process is one rank
+  }
 #else
   const bool mpi = false;
   const int process_rank = 0;
@@ -267,11 +327,33 @@ int main(int argc, char** argv) {
     if (epochs > 0) {
       const std::size_t per_epoch = task.train.size() / std::size_t(cfg.batch);
       if (per_epoch == 0) throw std::invalid_argument("--batch is larger than the training set");
+      // The step counter is an int: a run is at most INT_MAX steps (compared without forming the product).
+      const std::size_t most_steps = std::size_t(std::numeric_limits<int>::max());
+      if (per_epoch > most_steps / std::size_t(epochs))
+        throw std::invalid_argument("--epochs " + std::to_string(epochs) + ": epochs of " + std::to_string(per_epoch) +
+                                    " steps come to more than " + std::to_string(most_steps) +
+                                    " steps, the most a run takes; give at most " +
+                                    std::to_string(most_steps / per_epoch) + " epochs");
       cfg.steps = int(per_epoch * std::size_t(epochs));
     }
     if (schedule_opt->count() == 0) cfg.schedule_steps = epochs > 0 ? cfg.steps : 600;
     if (compare && (save_opt->count() > 0 || resume_opt->count() > 0))
       throw std::invalid_argument("--save and --resume take one run: give --policy and --ranks instead of --compare");
+    // Every run planned, and where its results go, is checked before the first one trains: a refusal after minutes of
+    // training (a batch the second run cannot split, an unwritable --csv or --save) would waste them.
+    for (const int world : compare ? std::vector<int>{1, ranks} : std::vector<int>{ranks})
+      tiny::validate(cfg, task, world);
+    std::string problem;
+    if (process_rank == 0) try {  // rank 0 writes the CSV; for --save, its view stands for the shared storage's
+        if (!csv_path.empty()) check_writable_file("--csv", csv_path);
+        if (!cfg.save_dir.empty()) check_save_dir(cfg.save_dir);
+      } catch (const std::exception& e) {
+        problem = e.what();
+      }
+#if defined(TINY_HAVE_MPI)
+    if (mpi) problem = rank0_problem(std::move(problem));
+#endif
+    if (!problem.empty()) throw std::invalid_argument(problem);
     const bool cuda = backend == "cuda";
     if (!cuda) tiny::use_one_blas_thread();
 
@@ -323,10 +405,7 @@ int main(int argc, char** argv) {
       rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n, std::move(r)});
     };
 #if defined(TINY_HAVE_MPI)
-    if (mpi) {
-      MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-      std::printf("%s: each process is one rank (tandem::Mpi)\n\n", tandem::detect_launch().describe().c_str());
-    }
+    if (mpi) std::printf("%s: each process is one rank (tandem::Mpi)\n\n", tandem::detect_launch().describe().c_str());
 #endif
     if (compare) {
       run(tiny::PolicyKind::replicated, 1);

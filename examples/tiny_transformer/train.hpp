@@ -81,7 +81,7 @@ struct TrainConfig {
   /// The dtype gradients cross ranks in (tandem's reduce_dtype): fp32, or bf16 for half the bytes.
   tandem::DType reduce_dtype = tandem::DType::fp32;
   int eval_batch = 64;    ///< examples per evaluation forward pass
-  int untimed_steps = 0;  ///< the first steps are left out of the throughput (buffers' first touch, caches)
+  int untimed_steps = 0;  ///< the first steps (fewer than `steps`) are left out of the throughput (first touch, caches)
   /// The learning-rate schedule's length (0: `steps`). A run that stops and resumes follows the schedule of one that
   /// never stopped only when both give the same length here.
   int schedule_steps = 0;
@@ -101,8 +101,17 @@ struct TrainResult {
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
 };
 
-/// Called on rank 0 after every optimizer step: (step done, steps, global mean loss, seconds so far).
-using Progress = std::function<void(int, int, double, double)>;
+/// What rank 0 reports after every optimizer step.
+struct StepReport {
+  int step = 0;         ///< steps done (counted from 0, also when resumed)
+  int steps = 0;        ///< the step training ends at
+  double loss = 0;      ///< the global batch's mean loss
+  double seconds = 0;   ///< since the clock started: at the first step run, then again after cfg.untimed_steps
+  int timed_steps = 0;  ///< the steps `seconds` covers (rates and the ETA divide by these, not by `step`)
+};
+
+/// Called on rank 0 after every optimizer step.
+using Progress = std::function<void(const StepReport&)>;
 
 inline float learning_rate(const TrainConfig& cfg, int step) {
   const int length = cfg.schedule_steps > 0 ? cfg.schedule_steps : cfg.steps;
@@ -241,9 +250,16 @@ class BucketPasses {
   std::vector<std::size_t> copy_of_;                             ///< the copy bucket b's parameters are in
 };
 
+/// Rejects a configuration that cannot train on `world` ranks, naming the flag; main() calls it for every run it plans
+/// before the first one starts, train_rank() again.
 inline void validate(const TrainConfig& cfg, const Task& task, int world) {
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be positive");
-  if (cfg.batch % (cfg.accumulation * world) != 0)
+  if (cfg.untimed_steps < 0 || cfg.untimed_steps >= cfg.steps)
+    throw std::invalid_argument("--untimed-steps (" + std::to_string(cfg.untimed_steps) +
+                                ") must be less than the steps to train (" + std::to_string(cfg.steps) +
+                                ", from --steps or --epochs): no step would be timed");
+  // In 64 bits: --accum and the rank count are each at most INT_MAX, their product is not.
+  if (cfg.accumulation < 1 || world < 1 || cfg.batch % (std::int64_t(cfg.accumulation) * world) != 0)
     throw std::invalid_argument("--batch (" + std::to_string(cfg.batch) + ") must be a multiple of --accum x ranks (" +
                                 std::to_string(cfg.accumulation) + " x " + std::to_string(world) + ")");
   if (task.train.len > cfg.model.context)
@@ -360,7 +376,8 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     if (passes) passes->finish();
   };
 
-  const int untimed = std::max(first_step, cfg.untimed_steps < cfg.steps ? cfg.untimed_steps : 0);
+  const int untimed = std::max(first_step, cfg.untimed_steps);  // validate(): cfg.untimed_steps < cfg.steps
+  int clock_step = first_step;                                  // the step the clock started at
   dev.synchronize();
   comm.barrier();
   auto start = std::chrono::steady_clock::now();
@@ -369,6 +386,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       dev.synchronize();
       comm.barrier();
       start = std::chrono::steady_clock::now();
+      clock_step = step;
     }
     dp.optimizer_options().lr = learning_rate(cfg, step);
     double loss = 0;
@@ -390,8 +408,11 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     dp.all_reduce_host({&loss, 1}, tandem::ReduceOp::avg);  // the global batch's mean
     if (step >= cfg.steps - window) final_loss += loss / window;
     if (rank == 0 && progress)
-      progress(step + 1, cfg.steps, loss,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      progress({.step = step + 1,
+                .steps = cfg.steps,
+                .loss = loss,
+                .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                .timed_steps = step + 1 - clock_step});
     if (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < cfg.steps)
       dp.save_checkpoint(cfg.save_dir);  // tandem: every rank writes its shard; the manifest makes it the checkpoint
   }
