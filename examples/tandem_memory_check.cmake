@@ -17,17 +17,8 @@ if(NOT DEFINED TOLERANCE_PERCENT)
   set(TOLERANCE_PERCENT 5)
 endif()
 
-# The arguments after "--" are tandem_memory's.
-set(args)
-set(after_dashes OFF)
-math(EXPR last "${CMAKE_ARGC} - 1")
-foreach(i RANGE ${last})
-  if(after_dashes)
-    list(APPEND args "${CMAKE_ARGV${i}}")
-  elseif("${CMAKE_ARGV${i}}" STREQUAL "--")
-    set(after_dashes ON)
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/../tests/args_after_dashes.cmake")
+set(args ${args_after_dashes})  # tandem_memory's
 
 execute_process(COMMAND "${EXE}" ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 set(all "${out}${err}")
