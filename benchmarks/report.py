@@ -172,7 +172,8 @@ def main(results, docs):
     first = next(iter(step.values()))
     w(f"GPT-2-small-shaped layout scaled to this machine ({first['params_M']:.1f} M fp32 parameters, AdamW, copy "
       "mode); ranks are threads on this machine's cores. The floor is the step's memory traffic (model in "
-      "`benchmarks/bench_step.cpp`) at the aggregate memcpy rate of min(ranks, cores) threads.")
+      "`benchmarks/bench_step.cpp`) at the aggregate memcpy rate of min(ranks, cores) threads, each copying as many "
+      "bytes as a rank's step reads, measured right after the case.")
     w("")
     w("| policy | ranks | time ms | floor ms | x floor |")
     w("|---|---|---|---|---|")
