@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <random>
 #include <string>
 #include <thread>
@@ -23,6 +25,30 @@
 #include "support/params.hpp"
 #include "support/temp_path.hpp"
 #include "tandem/tandem.hpp"
+
+namespace {
+
+// This thread's allocations fail (std::bad_alloc) once this many more have been made; -1: none fails.
+thread_local long allocations_left = -1;
+
+}  // namespace
+
+// The global operator new, with allocations_left: a test fails each allocation of a call in turn.
+void* operator new(std::size_t n) {
+  if (allocations_left == 0) throw std::bad_alloc();
+  if (allocations_left > 0) --allocations_left;
+  if (void* p = std::malloc(n != 0 ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // (operator new above is malloc's)
+#endif
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace {
 
@@ -517,10 +543,69 @@ TEST_CASE("a save over the checkpoint of other tensors is refused, on every rank
     dp.save_checkpoint(dir);
   });
   CHECK(tandem::verify_checkpoint(dir).manifest.optimizer == "SGD");
+  // A manifest.json that does not read (a later version, damaged) may name another model's checkpoint: refused too.
+  {
+    const std::vector<char> manifest = read_file(dir + "/manifest.json");
+    write_file(dir + "/manifest.json", std::vector<char>(manifest.begin(), manifest.begin() + 40));
+    const std::vector<std::string> kept = shard_files(dir);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 5);
+      test::DataParallel<tandem::GradientSharded, tandem::SGD> dp(comm, model.tensors(), {.lr = 0.1f});
+      dp.broadcast_parameters();
+      CHECK(test::message_of([&] { dp.save_checkpoint(dir); }).find("holds a manifest.json that does not read") !=
+            std::string::npos);
+    });
+    CHECK(shard_files(dir) == kept);
+    write_file(dir + "/manifest.json", manifest);
+  }
   for (const std::string& msg : try_load(2, dir + "/manifest.json"))  // not "bad magic"
     CHECK(msg == "tandem: `" + dir + "/manifest.json` is the manifest of a sharded checkpoint: load its directory, `" +
                      dir + "`");
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a manifest's commit that throws leaves the previous one: nothing throws once it is renamed") {
+  // save_checkpoint keeps the files a manifest names only where commit_manifest returned: an exception after the
+  // rename had every rank remove its file under a committed manifest. Each allocation of the commit fails in turn.
+  const std::string dir = temp_path("commit_allocations");
+  train<tandem::Replicated>(2, 0, 2, Action::save, dir);
+  const std::vector<char> before = read_file(dir + "/manifest.json");
+  tandem::CheckpointManifest next = tandem::detail::read_manifest(dir);
+  next.step += 1;  // the same files under another step: the commit changes manifest.json and removes nothing
+  bool committed = false;
+  long failures = 0;
+  for (long n = 0; !committed && n < 10000; ++n) {
+    allocations_left = n;
+    try {
+      tandem::detail::commit_manifest(dir, next);
+      committed = true;
+    } catch (const std::exception&) {
+      ++failures;
+    }
+    allocations_left = -1;
+    if (!committed) REQUIRE(read_file(dir + "/manifest.json") == before);  // it threw: the previous one stands
+  }
+  CHECK(committed);
+  CHECK(failures > 5);  // (the commit allocates: each of those allocations failed once)
+  CHECK(tandem::detail::read_manifest(dir).step == next.step);
+  CHECK(temporaries_of(dir).empty());
+  tandem::verify_checkpoint(dir);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("the files a save's clean-up may remove: tandem's own names, and their temporary files, only") {
+  using tandem::detail::is_checkpoint_file_name;
+  const std::string id = "0123456789abcdef";
+  for (const std::string& name :
+       std::vector<std::string>{"step12-" + id + "-rank3-of8.safetensors", "parameters-" + id + ".safetensors",
+                                "step12-" + id + "-rank3-of8.safetensors.tmp.4242.7", "manifest.json.tmp.4242.0"})
+    CHECK_MESSAGE(is_checkpoint_file_name(name), name);
+  for (const std::string& name : std::vector<std::string>{
+           "manifest.json", "manifest.json.tmp.bak", "step12-" + id + "-rank3-of8.safetensors.tmp.x",
+           "step12-" + id + "-rank3-of8.safetensors.tmp.1.2.3", "step12-0123-rank3-of8.safetensors",
+           "step-" + id + "-rank3-of8.safetensors", "step12-" + id + "-rank3-of8.safetensors.bak",
+           "parameters-" + id + ".safetensors~", "notes.txt", "model.safetensors"})
+    CHECK_MESSAGE(!is_checkpoint_file_name(name), name);
 }
 
 TEST_CASE("a checkpoint of more files than a process keeps open loads, verifies and consolidates") {

@@ -127,16 +127,18 @@ class AtomicFile {
   std::size_t written() const { return written_; }
   const std::string& path() const { return path_; }
 
-  /// Flushes to disk and renames the temporary file over the target (and makes the rename durable).
+  /// Flushes to disk and renames the temporary file over the target (and makes the rename durable). Throws only before
+  /// the rename.
   void commit() {
     if (::fsync(fd_) != 0) fail("tandem: cannot flush " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
     if (::close(std::exchange(fd_, -1)) != 0)
       fail("tandem: cannot close " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
+    // The directory's name before the rename: once renamed, nothing throws (a caller may take the rename as done).
+    const std::size_t slash = path_.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
     if (::rename(temp_.c_str(), path_.c_str()) != 0)
       fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
     committed_ = true;
-    const std::size_t slash = path_.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
     const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {  // make the rename itself durable
       ::fsync(dfd);

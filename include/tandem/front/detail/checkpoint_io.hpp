@@ -562,15 +562,21 @@ inline CheckpointManifest read_manifest(const std::string& dir) {
 /// (step<N>-<id>-rank<R>-of<W>.safetensors), an import's (parameters-<id>.safetensors), or the temporary file of one of
 /// them or of the manifest (<name>.tmp.<pid>.<n>, core/atomic_file.hpp).
 inline bool is_checkpoint_file_name(std::string_view name) {
+  const auto digits_in = [](std::string_view text, std::size_t& at) {
+    const std::size_t from = at;
+    while (at < text.size() && text[at] >= '0' && text[at] <= '9') ++at;
+    return at > from;
+  };
   if (const std::size_t tmp = name.find(".tmp."); tmp != std::string_view::npos) {
+    const std::string_view suffix = name.substr(tmp + 5);  // <pid>.<n>, and nothing else
+    std::size_t at = 0;
+    if (!digits_in(suffix, at) || at >= suffix.size() || suffix[at++] != '.' || !digits_in(suffix, at) ||
+        at != suffix.size())
+      return false;
     if (name.substr(0, tmp) == manifest_name) return true;
     name = name.substr(0, tmp);
   }
-  const auto digits = [&](std::size_t& at) {
-    const std::size_t from = at;
-    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
-    return at > from;
-  };
+  const auto digits = [&](std::size_t& at) { return digits_in(name, at); };
   const auto literal = [&](std::size_t& at, std::string_view text) {
     if (name.substr(at, text.size()) != text) return false;
     at += text.size();
@@ -590,14 +596,17 @@ inline bool is_checkpoint_file_name(std::string_view name) {
 
 /// Throws tandem::error where `dir` holds the checkpoint of other tensors (names, sizes, dtypes, in any order) than
 /// `tensors`: a save of them would replace it, and it is most likely another model's (two DataParallel objects, of a
-/// model's two parameter dtypes, saving to one directory). A manifest that does not read is no checkpoint to keep.
+/// model's two parameter dtypes, saving to one directory); or a manifest.json that does not read (of a later version,
+/// damaged, or unreadable now), which may name such a checkpoint.
 TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vector<TensorSpec>& tensors) {
   if (!std::filesystem::exists(dir + "/" + manifest_name)) return;
   CheckpointManifest old;
   try {
     old = read_manifest(dir);
-  } catch (const error&) {
-    return;
+  } catch (const error& e) {
+    fail("tandem: save_checkpoint: `" + dir + "` holds a manifest.json that does not read (" + e.what() +
+         "): a checkpoint of a later tandem, or a damaged one, which this save would replace; save to another "
+         "directory, or remove that checkpoint first. Nothing was changed");
   }
   const auto sorted = [](std::vector<TensorSpec> v) {
     std::sort(v.begin(), v.end(), [](const TensorSpec& x, const TensorSpec& y) { return x.name < y.name; });
@@ -623,9 +632,9 @@ TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vec
 
 /// Makes `m` the checkpoint in `dir`: checks that every file it names is there, whole (as this process sees `dir`: a
 /// rank that saved to storage of its own, not shared, is found here), writes the manifest atomically over the previous
-/// one, then removes the files that only the previous one named and those that crashed saves left (a save's files and
-/// temporary files that the new manifest does not name): a save next to an old checkpoint replaces it; a crash before
-/// the rename leaves it whole.
+/// one, then removes the files that only the previous one named and, where there was none or it read, those that
+/// crashed saves left (files of tandem's names, and their temporary files, that the new manifest does not name): a save
+/// next to an old checkpoint replaces it; a crash before the rename leaves it whole. Throws only before the rename.
 TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m) {
   for (std::size_t i = 0; i < m.files.size(); ++i) {
     std::error_code e;
@@ -638,29 +647,36 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
            " as rank 0 sees the directory: every rank must save to one directory on storage they share");
   }
   std::vector<std::string> previous;
+  bool previous_read = !std::filesystem::exists(dir + "/" + manifest_name);
   try {
     for (const CheckpointManifest::File& f : read_manifest(dir).files) previous.push_back(f.name);
+    previous_read = true;
   } catch (const error&) {
-    // no previous checkpoint here (or an unreadable one): nothing of it to remove
+    // no previous checkpoint here, or one that does not read: nothing of it is known, so nothing is removed below
   }
   const std::string text = manifest_json(m);
   if (text.size() > manifest_max_bytes)  // what is written can be read (read_text_file's limit)
     fail("tandem: the checkpoint manifest would take " + std::to_string(text.size()) + " bytes, over the " +
          std::to_string(manifest_max_bytes) + " tandem reads: fewer or shorter tensor names");
+  std::vector<std::string> names;  // sorted: a directory of many ranks' files is searched once per entry
+  for (const CheckpointManifest::File& f : m.files) names.push_back(f.name);
+  std::sort(names.begin(), names.end());
   const std::string path = dir + "/" + manifest_name;
   AtomicFile out(path, "the checkpoint manifest");
   out.write(text.data(), text.size());
   out.commit();
-  std::vector<std::string> names;  // sorted: a directory of many ranks' files is searched once per entry
-  for (const CheckpointManifest::File& f : m.files) names.push_back(f.name);
-  std::sort(names.begin(), names.end());
-  const auto named = [&](const std::string& name) { return std::binary_search(names.begin(), names.end(), name); };
-  for (const std::string& name : previous)
-    if (!named(name)) ::unlink((dir + "/" + name).c_str());
-  std::error_code e;  // (nothing here throws: the checkpoint is committed)
-  for (std::filesystem::directory_iterator it(dir, e), end; !e && it != end; it.increment(e)) {
-    const std::string name = it->path().filename().string();
-    if (is_checkpoint_file_name(name) && !named(name)) ::unlink(it->path().c_str());
+  // Committed: from here nothing throws (save_checkpoint keeps the files the manifest names only if this returns).
+  try {
+    const auto named = [&](const std::string& name) { return std::binary_search(names.begin(), names.end(), name); };
+    for (const std::string& name : previous)
+      if (!named(name)) ::unlink((dir + "/" + name).c_str());
+    if (!previous_read) return;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (is_checkpoint_file_name(name) && !named(name)) ::unlink(entry.path().c_str());
+    }
+  } catch (...) {
+    // what is left is removed by the next save
   }
 }
 
