@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // ParameterSharded (ZeRO stage 3, PyTorch FSDP's FULL_SHARD): each rank keeps only its 1/N shard of every bucket's
 // parameters, with the shard's master weights and optimizer state. A bucket's full parameters are held only in a few
-// reused bucket buffers (DataParallelOptions::parameter_buffers), allocated at construction: DataParallel::parameters(b)
-// all-gathers them into one (prefetch_parameters(b) starts the gather early), and the handle's release makes the
-// buffer free for another bucket; until then it keeps its bucket, which a later open finds without gathering again
-// (until the next optimizer step makes it stale). Gradients are reduce-scattered every micro-step into a shard accumulator as under
-// GradientSharded, and the optimizer updates the shard in place: nothing is gathered at the step's end.
-// Collectives per step: all-gather(params) at each use + reduce-scatter(grads) every micro-step. Owned storage only.
+// reused bucket buffers (DataParallelOptions::parameter_buffers), allocated at construction:
+// DataParallel::parameters(b) all-gathers them into one (prefetch_parameters(b) starts the gather early), and the
+// handle's release makes the buffer free for another bucket; until then it keeps its bucket, which a later open finds
+// without gathering again (until the next optimizer step makes it stale). Gradients are reduce-scattered every
+// micro-step into a shard accumulator as under GradientSharded, and the optimizer updates the shard in place: nothing
+// is gathered at the step's end. Collectives per step: all-gather(params) at each use + reduce-scatter(grads) every
+// micro-step. Owned storage only.
 #pragma once
 
 #include <algorithm>
