@@ -61,7 +61,7 @@ void BM_collective(benchmark::State& state, Kind kind) {
   state.counters["algbw_GBps"] = static_cast<double>(bytes) / per_op / 1e9;
   state.counters["busbw_GBps"] = static_cast<double>(bytes) / per_op / 1e9 * factor;
   const double b = static_cast<double>(bytes);
-  const double traffic = kind == Kind::all_reduce ? 2 * n * b : kind == Kind::reduce_scatter ? (n + 1) * b : 2 * n * b;
+  const double traffic = kind == Kind::reduce_scatter ? (n + 1) * b : 2 * n * b;  // all-reduce, all-gather: 2n
   const int threads = std::min<int>(world, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   state.counters["x_floor"] = per_op / (traffic / bench::aggregate_memcpy_rate(threads, bytes));
 }

@@ -703,10 +703,10 @@ class DataParallel {
   /// only with a pointer to tensor i's numel elements of T (the parameter dtype's type) in backend memory, holding its
   /// current parameters (zero before any were set; under every policy); the values there once it returns (written with
   /// host stores on the host backend, or by work ordered on options().stream) become tensor i's parameters on every
-  /// rank. Under ParameterSharded this is the only way to set them, and it never holds more than
-  /// one bucket; under the other policies it writes the views and calls broadcast_parameters(root). Collective. Call it
-  /// before the first step(); optimizer state and the step count are left as they are. If `fill` throws on the root,
-  /// every rank throws tandem::error saying so, and stepping is refused until a call succeeds.
+  /// rank. Under ParameterSharded this is the only way to set them, and it never holds more than one bucket; under the
+  /// other policies it writes the views and calls broadcast_parameters(root). Collective. Call it before the first
+  /// step(); optimizer state and the step count are left as they are. If `fill` throws on the root, every rank throws
+  /// tandem::error saying so, and stepping is refused until a call succeeds.
   template <class T, class Fill>
   TANDEM_COLD void initialize_parameters(Fill&& fill, int root = 0) {
     check_live("initialize_parameters");
