@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "mlp/mlp.hpp"
 #include "tandem/tandem.hpp"
 
@@ -78,13 +79,13 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"Train a small MLP with tandem on N host ranks under each policy, next to 1 rank."};
   app.add_option("--ranks", s.ranks, "ranks (threads) to compare with 1 rank")->check(CLI::Range(1, 64));
-  app.add_option("--steps", s.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--steps", s.steps, "optimizer steps")->check(examples::positive);
   app.add_option("--batch", s.batch, "global batch (samples per optimizer step), at most the 16384 training samples")
       ->check(CLI::Range(1, train_samples));
   app.add_option("--accum", s.accumulation, "micro-steps per optimizer step")->check(CLI::Range(1, train_samples));
   app.add_option("--lr", s.lr, "AdamW learning rate");
   app.add_option("--seed", s.seed, "seed of the data and the initial weights");
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = examples::parse_command_line(app, argc, argv); code >= 0) return code;
   if (s.batch % (s.ranks * s.accumulation) != 0) {
     std::fprintf(stderr, "--batch (%d) must be a multiple of --ranks x --accum (%d)\n", s.batch,
                  s.ranks * s.accumulation);

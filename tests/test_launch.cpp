@@ -205,6 +205,12 @@ TEST_CASE("slurm_tasks_on_node parses SLURM's compressed per-node lists") {
   CHECK(!slurm_tasks_on_node("2(x3),1", 4));
   CHECK(!slurm_tasks_on_node("2(3)", 0));
   CHECK(!slurm_tasks_on_node("", 0));
+  // Malformed anywhere, also past the node asked about (they were taken up to it)
+  for (const char* bad : {"2junk", "4(x2)garbage", "2,", "3(x0),1", "2(x1", ",2", "2,,1", "1234567890"}) {
+    CAPTURE(bad);
+    CHECK(!slurm_tasks_on_node(bad, 0));
+  }
+  CHECK(slurm_tasks_on_node("1(x999999999),3", 999999999) == 3);  // node counts beyond an int's sum
 }
 
 TEST_CASE("share_blob: rank 0 publishes late; three readers wait and get the same 128 bytes") {
@@ -299,6 +305,10 @@ TEST_CASE("wait_for_blob: timeouts say what was found; a size mismatch is an err
   const std::string path = scratch_path("timeout");
   CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
                        doctest::Contains("found no file there"), tandem::timeout_error);
+  // A poll interval longer than the timeout: it waits the timeout, not a whole interval (it slept the interval).
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 120s}), tandem::timeout_error);
+  CHECK(std::chrono::steady_clock::now() - start < 60s);
   const std::array<std::byte, 4> blob{};
   tandem::publish_blob(path, "other", blob);
   CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "mine", 4, {.timeout = 50ms, .poll_interval = 5ms}),

@@ -111,6 +111,23 @@ TEST_CASE_TEMPLATE("SGD body equals a double-precision reference", P, float, tan
       {.lr = 0.05f, .momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on}, 1);
 }
 
+TEST_CASE("without weight decay an infinite weight stays infinite, as in PyTorch (0 * inf made it NaN in SGD)") {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (const float momentum : {0.0f, 0.9f}) {
+    const auto s = tandem::SGD::scalars({.lr = 0.1f, .momentum = momentum}, 2);
+    float w = inf, b[1] = {0.5f};
+    tandem::SGD::Body<float>::element(s, 0.5f, w, b);
+    CHECK(w == inf);
+    w = -inf;
+    tandem::SGD::Body<float>::element(s, 0.5f, w, b);
+    CHECK(w == -inf);
+  }
+  const auto s = tandem::AdamW::scalars({.lr = 0.1f, .weight_decay = 0.0f}, 2);
+  float w = inf, m = 0.1f, v = 0.1f;
+  tandem::AdamW::Body<float>::element(s, 0.5f, w, m, v);
+  CHECK(w == inf);
+}
+
 TEST_CASE("sum of squares: fixed chunking, equal to a double loop") {
   std::mt19937 rng(9);
   std::normal_distribution<float> dist(0.0f, 3.0f);

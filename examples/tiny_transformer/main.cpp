@@ -17,6 +17,7 @@
 #include <map>
 #include <string>
 
+#include "../cli.hpp"
 #include "blas_core.hpp"
 #include "tandem/comm/launch_env.hpp"
 #include "train.hpp"
@@ -196,24 +197,24 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend,
                  "host (CPU ranks) or cuda (one GPU per rank); default: cuda where a GPU per rank exists, else host")
       ->check(CLI::IsMember({"host", "cuda"}));
-  auto* steps_opt = app.add_option("--steps", cfg.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  auto* steps_opt = app.add_option("--steps", cfg.steps, "optimizer steps")->check(examples::positive);
   app.add_option("--epochs", epochs, "train for this many passes over the training set instead of --steps")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::positive)
       ->excludes(steps_opt);
-  app.add_option("--batch", cfg.batch, "global batch: examples per optimizer step")->check(CLI::PositiveNumber);
-  app.add_option("--accum", cfg.accumulation, "micro-steps per optimizer step")->check(CLI::PositiveNumber);
-  app.add_option("--lr", cfg.lr, "peak AdamW learning rate (warm-up, then cosine decay)")->check(CLI::PositiveNumber);
-  app.add_option("--width", cfg.model.width, "model width")->check(CLI::PositiveNumber);
-  app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--heads", cfg.model.heads, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(CLI::PositiveNumber);
-  app.add_option("--context", context, "--text: bytes per training window")->check(CLI::PositiveNumber);
+  app.add_option("--batch", cfg.batch, "global batch: examples per optimizer step")->check(examples::positive);
+  app.add_option("--accum", cfg.accumulation, "micro-steps per optimizer step")->check(examples::positive);
+  app.add_option("--lr", cfg.lr, "peak AdamW learning rate (warm-up, then cosine decay)")->check(examples::positive);
+  app.add_option("--width", cfg.model.width, "model width")->check(examples::positive);
+  app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(examples::positive);
+  app.add_option("--heads", cfg.model.heads, "attention heads")->check(examples::positive);
+  app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(examples::positive);
+  app.add_option("--context", context, "--text: bytes per training window")->check(examples::positive);
   app.add_option("--sort-length", sort.length, "sort task: numbers per list")->check(CLI::Range(2, 512));
   app.add_option("--sort-values", sort.values, "sort task: numbers are 0 .. values-1")->check(CLI::Range(2, 65535));
-  app.add_option("--eval", eval_examples, "held-out examples (sort task)")->check(CLI::PositiveNumber);
+  app.add_option("--eval", eval_examples, "held-out examples (sort task)")->check(examples::positive);
   app.add_option("--text", text_path, "train a byte-level language model on this file")->check(CLI::ExistingFile);
   app.add_option("--untimed-steps", cfg.untimed_steps, "leave the first steps out of the time and tokens/s")
-      ->check(CLI::NonNegativeNumber);
+      ->check(examples::non_negative);
   app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights");
   app.add_flag("--bf16", bf16, "bf16 parameters and gradients (fp32 master weights in tandem)");
   app.add_option("--reduce-dtype", reduce_dtype,
@@ -226,10 +227,10 @@ int main(int argc, char** argv) {
                                       "the learning-rate schedule's length (warm-up, cosine decay, then its floor); "
                                       "default 600 whatever --steps is (with --epochs: their steps), so that a run "
                                       "stopped and resumed follows the schedule of one that never stopped")
-                           ->check(CLI::PositiveNumber);
+                           ->check(examples::positive);
   auto* save_opt = app.add_option("--save", cfg.save_dir, "save a checkpoint (a directory) at the end");
   app.add_option("--save-every", cfg.save_every, "with --save: also save after every K-th step")
-      ->check(CLI::PositiveNumber)
+      ->check(examples::positive)
       ->needs(save_opt);
   auto* resume_opt = app.add_option("--resume", cfg.resume_dir,
                                     "start from the checkpoint in this directory (at any --ranks and --policy) and "
@@ -243,7 +244,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--blas-info", blas_info, "print which BLAS kernels run (after --blas-core) and exit");
   app.add_flag(tiny::blas_self_test_flag, blas_self_test)->group("");  // the child process of --blas-core's check
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = examples::parse_command_line(app, argc, argv); code >= 0) return code;
 
   if (blas_self_test) return tiny::blas_self_test();
   // Before anything else (MPI included): this may restart the program on other OpenBLAS kernels. One report per job.

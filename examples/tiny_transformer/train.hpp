@@ -361,11 +361,12 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   int first_step = 0;
   if (!cfg.resume_dir.empty()) {  // tandem: the checkpoint's state, at any rank count and under any policy
     dp.load_checkpoint(cfg.resume_dir);
-    first_step = int(dp.step_count());
-    if (first_step >= cfg.steps)  // every rank loaded the same step: they all stop here
+    const std::uint64_t loaded = dp.step_count();
+    if (loaded >= std::uint64_t(cfg.steps))  // every rank loaded the same step: they all stop here
       throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
-                                  std::to_string(first_step) + ", which --steps " + std::to_string(cfg.steps) +
+                                  std::to_string(loaded) + ", which --steps " + std::to_string(cfg.steps) +
                                   " does not go past: nothing to train; raise --steps");
+    first_step = int(loaded);  // below cfg.steps, an int
   }
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);

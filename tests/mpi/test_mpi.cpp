@@ -443,6 +443,19 @@ TEST_CASE("construction checks its arguments") {
                        doctest::Contains("options.max_message_bytes"), tandem::error);
 }
 
+TEST_CASE("ranks constructed with different max_message_bytes: every rank throws, naming the values") {
+  // They took a piece of a transfer for the whole and left buffers partly written, without an error.
+  const int rank = world_rank();
+  const std::size_t mine = rank == 0 ? 1024 : 2048;
+  const std::string says = "MpiOptions::max_message_bytes " + std::to_string(mine) + " and rank";
+  CHECK_THROWS_WITH_AS(tandem::Mpi(MPI_COMM_WORLD, {.timeout = 60s, .max_message_bytes = mine}),
+                       doctest::Contains(says.c_str()), tandem::error);
+  tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = 60s, .max_message_bytes = 1024});  // equal values: it works
+  std::vector<float> v(600, float(rank + 1));
+  comm.broadcast(v.data(), v.data(), v.size(), tandem::DType::fp32, 0);
+  CHECK(std::ranges::count(v, 1.0f) == 600);
+}
+
 TEST_CASE("TANDEM_MPI_CHECK names the call, the status and the rank") {
   std::string what;
   try {

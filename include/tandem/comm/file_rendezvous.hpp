@@ -29,6 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -212,8 +213,9 @@ inline std::vector<std::byte> wait_for_blob(const std::string& path, std::string
       if (!blob.empty()) std::memcpy(blob.data(), last.bytes.data(), blob.size());
       return blob;
     }
-    if (std::chrono::steady_clock::now() >= deadline) break;
-    std::this_thread::sleep_for(options.poll_interval);
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(options.poll_interval, deadline - now));
   }
   std::string found;
   switch (last.state) {

@@ -112,33 +112,33 @@ inline std::optional<int> env_int(const EnvironmentLookup& env, const char* name
   return static_cast<int>(value);
 }
 
-/// SLURM_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of 3 nodes, then 1) at node `node`; nullopt when malformed.
+/// SLURM_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of 3 nodes, then 1) at node `node`; nullopt when malformed
+/// anywhere (read whole, also past `node`: "2junk", "2,", "3(x0)") or when it covers fewer nodes.
 inline std::optional<int> slurm_tasks_on_node(const std::string& spec, int node) {
-  int at = 0;
   std::size_t i = 0;
-  while (i < spec.size()) {
-    long long tasks = 0, repeat = 1;
+  const auto number = [&](long long& value) {  // 1 to 9 digits
     const std::size_t start = i;
-    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9' && i - start < 9) tasks = tasks * 10 + (spec[i++] - '0');
-    if (i == start) return std::nullopt;
+    value = 0;
+    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9' && i - start < 9) value = value * 10 + (spec[i++] - '0');
+    return i > start;
+  };
+  long long at = 0;
+  std::optional<int> found;
+  while (true) {
+    long long tasks = 0, repeat = 1;
+    if (!number(tasks)) return std::nullopt;
     if (i < spec.size() && spec[i] == '(') {
       if (spec.compare(i, 2, "(x") != 0) return std::nullopt;
       i += 2;
-      const std::size_t rstart = i;
-      repeat = 0;
-      while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9' && i - rstart < 9)
-        repeat = repeat * 10 + (spec[i++] - '0');
-      if (i == rstart || i >= spec.size() || spec[i] != ')') return std::nullopt;
+      if (!number(repeat) || repeat == 0 || i >= spec.size() || spec[i] != ')') return std::nullopt;
       ++i;
     }
-    if (node < at + repeat) return static_cast<int>(tasks);
-    at += static_cast<int>(repeat);
-    if (i < spec.size()) {
-      if (spec[i] != ',') return std::nullopt;
-      ++i;
-    }
+    if (!found && node < at + repeat) found = static_cast<int>(tasks);
+    at += repeat;
+    if (i == spec.size()) return found;
+    if (spec[i] != ',') return std::nullopt;
+    ++i;
   }
-  return std::nullopt;
 }
 
 inline void check_launch(const LaunchInfo& info, const char* rank_var, const char* size_var, const char* local_rank_var,

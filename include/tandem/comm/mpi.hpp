@@ -108,7 +108,8 @@ struct MpiOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   /// How often a waiting rank checks that the processes it waits for on this host still exist; 0 disables it.
   std::chrono::milliseconds liveness_interval{100};
-  /// The largest single MPI message, in bytes (1 to INT_MAX); larger transfers are split into several.
+  /// The largest single MPI message, in bytes (1 to INT_MAX); larger transfers are split into several. The same on
+  /// every rank: construction throws on every rank where ranks differ.
   std::size_t max_message_bytes = std::size_t{1} << 30;
 };
 
@@ -156,7 +157,7 @@ enum class MpiCallKind : std::uint8_t { all_reduce, reduce_scatter, all_gather, 
 struct MpiHeader {
   std::uint64_t nonce = 0;
   std::uint64_t call = 0;   ///< the call number on the sender (0: hello)
-  std::uint64_t count = 0;  ///< elements
+  std::uint64_t count = 0;  ///< elements (hello: the sender's MpiOptions::max_message_bytes)
   std::int64_t pid = 0;     ///< hello: the sender's process id
   std::uint64_t start = 0;  ///< hello: its start time (Linux /proc, clock ticks since boot; 0: unknown)
   std::uint64_t host = 0;   ///< hello: a hash of its kernel boot id and pid namespace (0: unknown)
@@ -357,6 +358,17 @@ class Mpi {
     departed_.assign(static_cast<std::size_t>(size_), std::nullopt);
     headers_.resize(static_cast<std::size_t>(size_));
     collective(detail::MpiCallKind::hello, nullptr, nullptr, 0, DType::fp32, ReduceOp::sum, 0);
+    // Both sides of a transfer split it into messages of this size: ranks that differ would take a piece for a whole
+    // and fill buffers partly. Every rank saw every rank's value, so all of them refuse, or none.
+    for (int q = 0; q < size_; ++q) {
+      const std::uint64_t theirs = peers_[static_cast<std::size_t>(q)].max_message_bytes;
+      if (q == rank_ || theirs == options_.max_message_bytes) continue;
+      MPI_Comm_free(&comm_);  // no message is on the way: the hello's sends and receives are complete on every rank
+      detail::fail("tandem: Mpi: rank " + std::to_string(rank_) +
+                   " was constructed with MpiOptions::max_message_bytes " + std::to_string(options_.max_message_bytes) +
+                   " and rank " + std::to_string(q) + " with " + std::to_string(theirs) +
+                   "; every rank must pass the same value");
+    }
   }
 
   Mpi(const Mpi&) = delete;
@@ -503,7 +515,7 @@ class Mpi {
     out = {};
     out.nonce = nonce_;
     out.call = calls_;
-    out.count = mine.count;
+    out.count = kind == detail::MpiCallKind::hello ? options_.max_message_bytes : mine.count;
     out.pid = self_.pid;
     out.start = self_.start;
     out.host = self_.host;
@@ -538,6 +550,7 @@ class Mpi {
           p.nonce = h.nonce;
           p.process = {h.pid, h.start, h.host};
           p.same_host = h.host != 0 && h.host == self_.host;
+          p.max_message_bytes = h.count;
         } else if (h.call != calls_) {
           throw error("tandem: " + std::string(name) + " on rank " + std::to_string(rank_) + " is call " +
                       std::to_string(calls_) + " of this communicator but rank " + std::to_string(q) + " sent call " +
@@ -941,8 +954,9 @@ class Mpi {
     std::uint64_t nonce = 0;
     detail::ProcessIdentity process;
     bool same_host = false;
-    bool left = false;    // it sent a departure or failure notice
-    bool failed = false;  // it sent a failure notice
+    std::uint64_t max_message_bytes = 0;  // its MpiOptions' (hello)
+    bool left = false;                    // it sent a departure or failure notice
+    bool failed = false;                  // it sent a failure notice
   };
 
   MPI_Comm comm_ = MPI_COMM_NULL;

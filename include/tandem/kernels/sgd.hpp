@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // SGD with momentum, dampening, Nesterov and (coupled) weight decay, as PyTorch's torch.optim.SGD:
 //
-//   g = grad_scale * grad + weight_decay * w
-//   b = g                                    on the first step
+//   g = grad_scale * grad + weight_decay * w   (the decay term only where weight_decay != 0)
+//   b = g                                    on the first step (step 1)
 //   b = momentum * b + (1 - dampening) * g   afterwards
 //   g = g + momentum * b   (Nesterov)   or   g = b
 //   w = w - lr * g
 //
-// over a flat range, elementwise. Without momentum no state is kept. Every product is rounded before it is added
+// over a flat range, elementwise. Without momentum no state is kept. A group whose momentum turns from 0 to non-zero
+// after step 1 starts from a zero buffer (b = (1 - dampening) * g), where PyTorch, which had kept no buffer, starts
+// from b = g: the same with dampening 0. Every product is rounded before it is added
 // (kernels/detail/rounding.hpp): host and device give the same bits.
 #pragma once
 
@@ -90,7 +92,7 @@ struct SGD {
     /// One element, in registers: g the scaled gradient, w the weight, b[0] the momentum buffer (with momentum).
     TANDEM_HD static void element(const Scalars& s, float g, float& w, float (&b)[1]) {
       using detail::mul_rn;
-      g = g + mul_rn(s.weight_decay, w);
+      if (s.weight_decay != 0.0f) g = g + mul_rn(s.weight_decay, w);  // as PyTorch: an infinite w stays, not NaN
       if (s.has_momentum) {
         b[0] = s.first_step ? g : mul_rn(s.momentum, b[0]) + mul_rn(1.0f - s.dampening, g);
         g = s.nesterov ? g + mul_rn(s.momentum, b[0]) : b[0];

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: Apache-2.0
+// The examples' command lines: one parse that exits 2 on every usage error (CLI11's own codes are 100 and up), and
+// value checks whose messages name the bound, not CLI11's 300-digit double range.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <string>
+
+namespace examples {
+
+/// Parses `argv` into `app`. Returns -1 where the program goes on; otherwise the code it exits with: 0 after --help,
+/// 2 after a usage error (CLI11's message, which names the flag, is on stderr).
+inline int parse_command_line(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+    return -1;
+  } catch (const CLI::Success& e) {  // --help
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  }
+}
+
+/// A check of a number against 0: above it (`zero_allowed` false) or at least it; NaN is refused.
+inline CLI::Validator sign_check(bool zero_allowed, const std::string& name) {
+  return CLI::Validator(
+      [zero_allowed](std::string& text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "`" + text + "` is not a number";
+        if (std::isnan(v) || v < 0 || (!zero_allowed && v == 0))
+          return "`" + text + "` must be " + (zero_allowed ? "0 or more" : "above 0");
+        return {};
+      },
+      name);
+}
+
+inline const CLI::Validator positive = sign_check(false, "POSITIVE");         ///< > 0
+inline const CLI::Validator non_negative = sign_check(true, "NON-NEGATIVE");  ///< >= 0
+
+}  // namespace examples
