@@ -7,7 +7,8 @@
 #   80-step run on 2 ranks (the same fingerprint);
 # - its save at step 80 replaces the step-40 checkpoint in the same directory; tandem_checkpoint verifies the result and
 #   consolidates it, imports the consolidated file as a parameters-only checkpoint, verifies that, and consolidates it
-#   again to the same tensors.
+#   again to the same tensors;
+# - a --save of another model over it is refused before training, and leaves it whole.
 cmake_minimum_required(VERSION 3.25)
 foreach(var IN ITEMS EXE TOOL DIR)
   if(NOT DEFINED ${var})
@@ -95,6 +96,13 @@ if(model_crcs STREQUAL "" OR NOT model_crcs STREQUAL again_crcs OR NOT model_ten
   message(FATAL_ERROR "imported and consolidated again: ${again_tensors} tensors, checksums ${again_crcs}; the "
                       "consolidated checkpoint: ${model_tensors}, ${model_crcs}")
 endif()
+# A --save over the checkpoint of another model (narrower) is refused before it trains, and the checkpoint stays whole.
+execute_process(COMMAND "${EXE}" ${common} --ranks 2 --steps 4 --width 32 --save "${DIR}/ckpt" RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE out)
+if(rc EQUAL 0 OR NOT out MATCHES "holds the checkpoint of other tensors" OR out MATCHES ": step 1/")
+  message(FATAL_ERROR "--save over another model's checkpoint: not refused before training (${rc}):\n${out}")
+endif()
+tool("step 80, saved by GradientSharded at 2 ranks" verify "${DIR}/ckpt")
 message(STATUS "resumed on 1 rank: final loss ${resumed} (uninterrupted: ${straight}); on 2 ranks: fingerprint "
                "${resumed_2_fingerprint}, as uninterrupted")
 file(REMOVE_RECURSE "${DIR}")

@@ -309,6 +309,10 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     offsets.push_back(std::size_t(static_cast<float*>(t.param) - model.parameters().data()));
   }
 
+  // tandem: a --save that would be refused (another model's checkpoint there) is refused before training; every rank
+  // reads the shared directory, so all of them refuse, before any collective
+  if (!cfg.save_dir.empty()) tandem::check_save_target(cfg.save_dir, specs);
+
   // Everything allocated before the first collective (on GPUs, allocating between collectives can deadlock).
   const int local = cfg.batch / cfg.accumulation / world;
   model.reserve(std::max(local, cfg.eval_batch), len);

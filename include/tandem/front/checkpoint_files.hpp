@@ -75,6 +75,14 @@ TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
   return summary;
 }
 
+/// Throws tandem::error where `dir` holds what save_checkpoint of the tensors `tensors` (a DataParallel's
+/// `layout().tensors()`) would refuse to replace: the checkpoint of other tensors, or a manifest.json that does not
+/// read. Reads only, on this process, with no collective: a program checks before it trains what a save after training
+/// would refuse (a `dir` without a checkpoint, or not there yet, passes).
+TANDEM_COLD inline void check_save_target(const std::string& dir, const std::vector<TensorSpec>& tensors) {
+  detail::check_replaceable(dir, tensors);
+}
+
 /// The CRC-32C of every array of every tensor of the checkpoint in `dir`, whole, in layout order: the bytes
 /// consolidate_checkpoint(dir, out, Arrays::all) writes as its data: bitwise-equal states (the same parameters, master
 /// weights and optimizer state) give equal digests, whatever world size, policy and files saved them, and states that
