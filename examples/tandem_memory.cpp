@@ -402,10 +402,16 @@ int run(const Args& a) {
       layout_line +=
           std::to_string(n) + " tensors, " + std::to_string(n - 1) + " of 2^24 and one of " + std::to_string(last);
   } else {
-    const tandem::scaling::ModelLayout model = tandem::scaling::load_tensor_list(*a.layout, *a.layout);
+    tandem::scaling::ModelLayout model;
+    try {
+      model = tandem::scaling::load_tensor_list(*a.layout, *a.layout);
+    } catch (const std::exception& e) {  // a file that is no tensor list is a bad argument
+      throw usage_error(std::string("--layout: ") + e.what());
+    }
     for (const tandem::scaling::TensorEntry& e : model.tensors) s.tensors.push_back({e.name, e.numel, a.dtype});
-    layout_line = "layout: " + *a.layout + ", " + std::to_string(s.tensors.size()) + " tensors, " +
-                  std::to_string(model.total_numel()) + " parameters";
+    layout_line = "layout: " + *a.layout + ", " + std::to_string(s.tensors.size()) +
+                  (s.tensors.size() == 1 ? " tensor, " : " tensors, ") + std::to_string(model.total_numel()) +
+                  " parameters";
   }
   for (const tandem::TensorSpec& t : s.tensors) s.psi += t.numel;
   s.paper_applies = a.dtype != tandem::DType::fp32 && a.optimizer == OptimizerChoice::adamw;

@@ -292,6 +292,10 @@ TEST_CASE("optimizer options are validated with the option's name") {
   CHECK_THROWS_WITH_AS(tandem::AdamW::validate({.lr = -1.0f}), doctest::Contains("AdamWOptions::lr"), tandem::error);
   CHECK_THROWS_WITH_AS(tandem::AdamW::validate({.beta2 = 1.0f}), doctest::Contains("beta2"), tandem::error);
   CHECK_THROWS_WITH_AS(tandem::AdamW::validate({.eps = 0.0f}), doctest::Contains("eps"), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::AdamW::validate({.eps = -1e-9f}), doctest::Contains("eps is -9.99999972e-10;"),
+                       tandem::error);  // every digit that tells it apart: it said -0.000000
+  CHECK_THROWS_WITH_AS(tandem::SGD::validate({.lr = std::numeric_limits<float>::quiet_NaN()}),
+                       doctest::Contains("SGDOptions::lr is nan;"), tandem::error);
   CHECK_THROWS_WITH_AS(tandem::SGD::validate({.lr = 0.1f, .nesterov = tandem::Nesterov::on}),
                        doctest::Contains("nesterov"), tandem::error);
   CHECK_NOTHROW(tandem::SGD::validate({}));

@@ -183,6 +183,19 @@ TEST_CASE("bad plan options are rejected with the option's name") {
   o.shard_alignment_elements = 6;  // not a multiple of alignment_elements = 4
   CHECK_THROWS_WITH_AS(tandem::Plan({1, 2}, o), doctest::Contains("shard_alignment_elements"), tandem::error);
   CHECK_THROWS_AS(tandem::Plan({}, tandem::PlanOptions{}), tandem::error);
+  o.shard_alignment_elements = 3 * 4;  // a multiple, not a power of two
+  CHECK_THROWS_WITH_AS(tandem::Plan({1, 2}, o), doctest::Contains("must be powers of two"), tandem::error);
+  // Sizes that wrapped: the padding unit to 0 (a division by zero), a bucket past 2^63, a sum of sizes
+  o.world_size = 1 << 30;
+  o.shard_alignment_elements = std::size_t{1} << 34;
+  CHECK_THROWS_WITH_AS(tandem::Plan({1, 2}, o), doctest::Contains("is over 2^48 elements per bucket"), tandem::error);
+  o.world_size = 1 << 16;
+  o.shard_alignment_elements = std::size_t{1} << 32;  // 2^48 per bucket: allowed, but 2^16 buckets of it are not
+  o.bucket_cap_bytes = o.first_bucket_cap_bytes = 4;
+  CHECK_THROWS_WITH_AS(tandem::Plan(std::vector<std::size_t>(1 << 15, 1), o),
+                       doctest::Contains("padded buckets come to more than 2^62"), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::Plan({tandem::max_numel, 1}, tandem::PlanOptions{}),
+                       doctest::Contains("add up to more than 2^48"), tandem::error);
 }
 
 TEST_CASE("zero-size tensors never open a bucket of their own") {

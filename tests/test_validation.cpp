@@ -83,7 +83,7 @@ TEST_CASE("null grad, oversized numel, mixed dtypes, overlapping buffers, misali
       {[](auto& r) { r[4].grad = r[3].param; }, "overlaps"},
       {[](auto& r) { r[2].param = static_cast<char*>(r[2].param) + 1; }, "aligned"},
       {[](auto& r) { r[1].dtype = tandem::DType::fp64; }, "fp64 is not supported"},
-      {[](auto& r) { r[1].dtype = static_cast<tandem::DType>(9); }, "dtype ? is not supported"},
+      {[](auto& r) { r[1].dtype = static_cast<tandem::DType>(9); }, "dtype DType 9 is not supported"},
       {[](auto& r) { r.clear(); }, "no tensors"},
   };
   for (const auto& [edit, want] : cases) {
@@ -234,8 +234,9 @@ TEST_CASE_TEMPLATE("an optimizer option changed on one rank only: the next step 
 TEST_CASE("bad options name the option") {
   const std::vector<std::pair<tandem::DataParallelOptions, std::string>> cases = {
       {{.accumulation_steps = 0}, "accumulation_steps"},
-      {{.max_grad_norm = -1.0f}, "max_grad_norm"},
-      {{.bucket_cap_bytes = 0}, "bucket caps"},
+      {{.max_grad_norm = -1e-7f}, "max_grad_norm is -1.00000001e-07;"},  // it said -0.000000
+      {{.bucket_cap_bytes = 0}, "bucket_cap_bytes is 0; it must be at least 4 bytes"},
+      {{.first_bucket_cap_bytes = 3}, "first_bucket_cap_bytes is 3"},
       {{.non_finite = static_cast<tandem::NonFinite>(7)}, "non_finite is 7, not a NonFinite"},
       {{.step_report = static_cast<tandem::StepReport>(2)}, "step_report is 2, not a StepReport"},
       {{.parameters_ready = static_cast<tandem::ParametersReady>(5)}, "parameters_ready is 5, not a ParametersReady"},

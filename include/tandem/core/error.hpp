@@ -3,6 +3,7 @@
 // Invalid input is rejected before anything is written, with a message naming the argument and the fix.
 #pragma once
 
+#include <cstdio>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -53,6 +54,14 @@ namespace detail {
 
 /// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
 [[noreturn]] TANDEM_COLD inline void fail(std::string what) { throw error(std::move(what)); }
+
+/// A float option's value as a message shows it: every digit that tells it apart ("-1e-07", "0.1", "nan"), where
+/// std::to_string would print "-0.000000".
+TANDEM_COLD inline std::string number(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.9g", value);
+  return text;
+}
 
 /// `before`, then `name` in backquotes, then `after`: a message about something named ("the checksum of `w` does not
 /// match"), built by appending (GCC 12 warns falsely of overlapping copies in `"..." + std::string&&`).

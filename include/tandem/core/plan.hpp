@@ -63,6 +63,13 @@ class Plan {
   TANDEM_COLD Plan(const std::vector<std::size_t>& numels, const PlanOptions& options) : options_(options) {
     validate(options);
     if (numels.empty()) detail::fail("tandem: cannot plan an empty layout");
+    std::size_t sum = 0;  // bounded as Layout bounds it: no size below can wrap
+    for (std::size_t k = 0; k < numels.size(); ++k) {
+      if (numels[k] > max_numel - sum)
+        detail::fail("tandem: Plan: the tensors' sizes add up to more than 2^48 elements (at tensor " +
+                     std::to_string(k) + ", of " + std::to_string(numels[k]) + ")");
+      sum += numels[k];
+    }
     const std::size_t world = static_cast<std::size_t>(options.world_size);
     const std::size_t pad_unit = world * options.shard_alignment_elements;
     placements_.resize(numels.size());
@@ -71,6 +78,10 @@ class Plan {
     std::size_t cap = options.first_bucket_cap_bytes / options.bucket_element_bytes;
     auto close = [&] {
       current.size = round_up(std::max<std::size_t>(current.used, 1), pad_unit);
+      if (current.size > max_total - total_size_)
+        detail::fail("tandem: Plan: the padded buckets come to more than 2^62 elements (world_size " +
+                     std::to_string(world) + " x shard_alignment_elements " +
+                     std::to_string(options.shard_alignment_elements) + " per bucket); lower either");
       current.shard_size = current.size / world;
       current.offset = total_size_;
       current.shard_offset = total_shard_size_;
@@ -111,12 +122,12 @@ class Plan {
     return m;
   }
 
-  /// Shard `rank` of bucket `b`, in flat coordinates.
   /// Tensor i's first element in the flat space.
   std::size_t flat_offset(std::size_t tensor) const {
     const Placement& at = placement(tensor);
     return bucket(at.bucket).offset + at.offset;
   }
+  /// Shard `rank` of bucket `b`, in flat coordinates.
   Range shard(std::size_t b, int rank) const {
     const Bucket& k = buckets_[b];
     const std::size_t begin = k.offset + static_cast<std::size_t>(rank) * k.shard_size;
@@ -126,13 +137,22 @@ class Plan {
   static std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
 
  private:
+  static constexpr std::size_t max_total = std::size_t{1} << 62;  ///< elements of the padded flat space
+
   static void validate(const PlanOptions& o) {
     if (o.world_size < 1)
       detail::fail("tandem: PlanOptions::world_size is " + std::to_string(o.world_size) + "; it must be at least 1");
     if (o.bucket_element_bytes == 0) detail::fail("tandem: PlanOptions::bucket_element_bytes must be positive");
-    if (o.alignment_elements == 0 || o.shard_alignment_elements == 0 ||
-        o.shard_alignment_elements % o.alignment_elements != 0)
-      detail::fail("tandem: PlanOptions::shard_alignment_elements must be a positive multiple of alignment_elements");
+    const auto power_of_two = [](std::size_t n) { return n != 0 && (n & (n - 1)) == 0; };
+    if (!power_of_two(o.alignment_elements) || !power_of_two(o.shard_alignment_elements) ||
+        o.shard_alignment_elements < o.alignment_elements)
+      detail::fail("tandem: PlanOptions::alignment_elements (" + std::to_string(o.alignment_elements) +
+                   ") and shard_alignment_elements (" + std::to_string(o.shard_alignment_elements) +
+                   ") must be powers of two, the second at least the first");
+    // their product, the unit a bucket is padded to, must not wrap
+    if (o.shard_alignment_elements > max_numel / static_cast<std::size_t>(o.world_size))
+      detail::fail("tandem: PlanOptions: world_size " + std::to_string(o.world_size) + " x shard_alignment_elements " +
+                   std::to_string(o.shard_alignment_elements) + " is over 2^48 elements per bucket");
     if (o.bucket_cap_bytes < o.bucket_element_bytes || o.first_bucket_cap_bytes < o.bucket_element_bytes)
       detail::fail("tandem: bucket caps must hold at least one element (bucket_cap_bytes, first_bucket_cap_bytes)");
   }

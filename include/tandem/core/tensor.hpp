@@ -51,7 +51,8 @@ class Layout {
       if (t.numel > max_numel)
         detail::fail(describe(i) + ": numel " + std::to_string(t.numel) + " exceeds tandem's limit of 2^48 elements");
       if (t.dtype != DType::fp32 && t.dtype != DType::bf16 && t.dtype != DType::fp16)
-        detail::fail(describe(i) + ": dtype " + dtype_name(t.dtype) +
+        detail::fail(describe(i) + ": dtype " +
+                     (t.dtype == DType::fp64 ? "fp64" : "DType " + std::to_string(static_cast<int>(t.dtype))) +
                      " is not supported for parameters; use fp32, bf16 or fp16");
       total += t.numel;
       if (total > max_numel)

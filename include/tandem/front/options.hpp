@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/core/dtype.hpp"
@@ -80,13 +81,16 @@ TANDEM_COLD inline void validate(const DataParallelOptions& options) {
     fail("tandem: DataParallelOptions::accumulation_steps is " + std::to_string(options.accumulation_steps) +
          "; it must be at least 1");
   if (!finite(options.max_grad_norm) || options.max_grad_norm < 0.0f)
-    fail("tandem: DataParallelOptions::max_grad_norm is " + std::to_string(options.max_grad_norm) +
+    fail("tandem: DataParallelOptions::max_grad_norm is " + number(options.max_grad_norm) +
          "; it must be finite and >= 0 (0 disables clipping)");
   if (const auto n = static_cast<unsigned>(options.non_finite); n > static_cast<unsigned>(NonFinite::throw_error))
     fail("tandem: DataParallelOptions::non_finite is " + std::to_string(n) +
          ", not a NonFinite (ignore, skip_step or throw_error)");
-  if (options.bucket_cap_bytes < sizeof(float) || options.first_bucket_cap_bytes < sizeof(float))
-    fail("tandem: DataParallelOptions bucket caps must be at least 4 bytes");
+  for (const auto& [name, cap] : {std::pair{"bucket_cap_bytes", options.bucket_cap_bytes},
+                                  std::pair{"first_bucket_cap_bytes", options.first_bucket_cap_bytes}})
+    if (cap < sizeof(float))
+      fail(std::string("tandem: DataParallelOptions::") + name + " is " + std::to_string(cap) +
+           "; it must be at least 4 bytes");
   if (options.gradient_buffers < 1)
     fail("tandem: DataParallelOptions::gradient_buffers is " + std::to_string(options.gradient_buffers) +
          "; it must be at least 1");

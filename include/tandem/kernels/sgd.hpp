@@ -41,7 +41,7 @@ struct SGD {
 
   static void validate(const Options& o) {
     auto bad = [](const char* what, float value, const char* rule) {
-      detail::fail(std::string("tandem: SGDOptions::") + what + " is " + std::to_string(value) + "; " + rule);
+      detail::fail(std::string("tandem: SGDOptions::") + what + " is " + detail::number(value) + "; " + rule);
     };
     // finite() first: it holds under -ffinite-math-only, where a comparison with a NaN may be folded away
     if (!finite(o.lr) || o.lr < 0.0f) bad("lr", o.lr, "it must be finite and >= 0");
