@@ -274,14 +274,14 @@ __global__ void __launch_bounds__(tandem::block_threads) run_overlapping(Body bo
 
 /// A launch of one of the bench's own kernels over `items` as CudaBackend::launch launches run_items: a grid of the
 /// blocks of it the device keeps resident (CudaBackend::resident_blocks_of, at most), programmatic where the backend's
-/// launches are (where not, the rows are the plain ones).
+/// launches are and the kernel waits for the one before it (where not, the rows are the plain ones).
 template <auto kernel, class Body, class... Args>
 void launch_as_backend(const tandem::CudaBackend& cuda, std::size_t items, cudaStream_t stream, const Body& body,
                        Args... args) {
   if (items == 0) return;
   tandem::detail::launch_kernel(
       kernel, tandem::launch_shape(items, cuda.resident_blocks_of<kernel>(), tandem::lanes_of<Body>()), stream,
-      cuda.programmatic(), body, items, args...);
+      cuda.programmatic() && cuda.waits_for_prior_of<kernel>(), body, items, args...);
 }
 
 /// detail::run_items for a pack body, with each slot's next item read before it moves the current one

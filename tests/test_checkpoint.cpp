@@ -905,6 +905,7 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
     CHECK(msg.find("holds 11 tensors but the layout has 5") != std::string::npos);
     CHECK(msg.find("holds AdamW state (2 arrays) but this DataParallel uses SGD (1)") != std::string::npos);
     CHECK(msg.find("inside an accumulation window") != std::string::npos);
+    CHECK(msg.find("or drop the window's gradients with discard_gradients() first") != std::string::npos);
   }
   std::filesystem::remove_all(path);
 }

@@ -757,6 +757,10 @@ TEST_SUITE("gpu") {
     for (const bool programmatic : {false, true}) {
       CAPTURE(programmatic);
       const tandem::CudaBackend cuda(tandem::CudaBackendOptions{.programmatic_launch = programmatic});
+      // The project's builds have compute_90 code (CMAKE_CUDA_ARCHITECTURES 80;90, the GPU check's 90): on a 9.0
+      // device their kernels wait, so the chain below is programmatic where asked (a build for 8.0 alone would launch
+      // it plainly, and fail here).
+      if (cuda.programmatic()) CHECK(cuda.waits_for_prior<Link>());
       Device<float> da(n), db(n);
       da.upload(x.data(), n);
       db.upload(y.data(), n);

@@ -368,6 +368,30 @@ TEST_CASE("a DataParallel with a GradientBucket open refuses to move and moves n
   });
 }
 
+TEST_CASE("handles that outlive their DataParallel refuse every use and release nothing (they wrote freed memory)") {
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    using DP = test::DataParallel<tandem::GradientSharded, tandem::AdamW>;
+    std::optional<DP> dp(std::in_place, comm, specs_of(model), tandem::AdamW::Options{},
+                         tandem::DataParallelOptions{.bucket_cap_bytes = 1024});
+    dp->broadcast_parameters();
+    std::optional<DP::GradientBucket> grads(dp->gradients(0));
+    std::optional<DP::ParameterBucket> params(dp->parameters(0));
+    const std::size_t first = grads->tensors().front();
+    dp.reset();  // says on stderr that the handles are open
+    CHECK(test::message_of([&] {
+            (void)grads->grad(first);
+          }).find("GradientBucket of bucket 0 used after its DataParallel was destroyed") != std::string::npos);
+    CHECK(test::message_of([&] { grads->release(); }).find("used after its DataParallel was destroyed") !=
+          std::string::npos);
+    CHECK(test::message_of([&] {
+            (void)params->param<float>(params->tensors().front());
+          }).find("ParameterBucket of bucket 0 used after") != std::string::npos);
+    grads.reset();  // the destructors release nothing (under ASan: no use after free)
+    params.reset();
+  });
+}
+
 namespace {
 
 /// Where train_through_failure makes step `fail_step`'s end fail, on every rank.

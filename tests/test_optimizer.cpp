@@ -111,7 +111,7 @@ TEST_CASE_TEMPLATE("SGD body equals a double-precision reference", P, float, tan
       {.lr = 0.05f, .momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on}, 1);
 }
 
-TEST_CASE("without weight decay an infinite weight stays infinite, as in PyTorch (0 * inf made it NaN in SGD)") {
+TEST_CASE("without weight decay an infinite weight stays infinite, as in PyTorch (SGD made it NaN: 0 times inf)") {
   constexpr float inf = std::numeric_limits<float>::infinity();
   for (const float momentum : {0.0f, 0.9f}) {
     const auto s = tandem::SGD::scalars({.lr = 0.1f, .momentum = momentum}, 2);

@@ -273,6 +273,10 @@ TEST_CASE_TEMPLATE("a fill that throws on the root: every rank throws, and stepp
       });
     });
     CHECK(what.find("initialize_parameters: fill threw on rank 0: no values for tensor 3") != std::string::npos);
+    // A throw of something else (not a std::exception): every rank is told too (the root alone left before)
+    CHECK(test::message_of([&] {
+            dp.template initialize_parameters<float>([&](std::size_t, float*) { throw 42; });
+          }).find("fill threw on rank 0 (an exception not derived from std::exception)") != std::string::npos);
     CHECK(test::message_of([&] { (void)dp.parameters(0); }).find("before ") != std::string::npos);
     initialize(dp, model);
     CHECK(read_params(dp) == test::as_float(model.params()));

@@ -17,8 +17,9 @@
 //             newer is programmatic (the launch attribute cudaLaunchAttributeProgrammaticStreamSerialization): its
 //             blocks may be scheduled while the previous kernel on the stream drains, and each waits
 //             (griddepcontrol.wait) until that kernel has completed and its writes are visible before it touches
-//             memory, so the order is a plain launch's. It hides about 1 us of the 2.5-3.4 us each launch costs beyond
-//             its bytes on an H200 (docs/cuda.md).
+//             memory, so the order is a plain launch's (a kernel compiled for a virtual architecture below 9.0 has no
+//             such wait, and is launched plainly: waits_for_prior). It hides about 1 us of the 2.5-3.4 us each launch
+//             costs beyond its bytes on an H200 (docs/cuda.md).
 //   sum_to    deterministic, no atomics: one block per item (reduction_shape) reduces the lane partials with
 //             cub::BlockReduce into a per-item double, then cub::DeviceReduce::Sum (two-pass, run-to-run
 //             deterministic) adds the item sums into *out; everything on the stream, nothing read back. Allocation-free
@@ -336,6 +337,30 @@ class CudaBackend {
     if (cached) known[static_cast<std::size_t>(device_)].store(blocks, std::memory_order_relaxed);
     return blocks;
   }
+  /// Whether run_items<Body>, as this device runs it, waits for the kernel before it (griddepcontrol.wait): only code
+  /// compiled for a virtual architecture of 9.0 or newer has the wait. A binary built for 8.0 alone runs on a 9.0
+  /// device from its compute_80 PTX, without it; launched programmatically, such a kernel would read what the kernel
+  /// before it has not written yet, so launch() launches it plainly. Asked of the runtime once per kernel and device.
+  template <class Body>
+  bool waits_for_prior() const {
+    return waits_for_prior_of<detail::run_items<Body>>();
+  }
+  /// waits_for_prior() for any kernel (a benchmark's own, whose wait is compiled under __CUDA_ARCH__ >= 900 too).
+  template <auto kernel>
+  bool waits_for_prior_of() const {
+    static std::array<std::atomic<unsigned char>, 64> known{};  // per device ordinal; 0: not asked, 1: no, 2: yes
+    const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
+    if (cached) {
+      const unsigned char k = known[static_cast<std::size_t>(device_)].load(std::memory_order_relaxed);
+      if (k != 0) return k == 2;
+    }
+    const detail::CudaDeviceGuard guard(device_);
+    cudaFuncAttributes attributes{};
+    TANDEM_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    const bool waits = attributes.ptxVersion >= 90;
+    if (cached) known[static_cast<std::size_t>(device_)].store(waits ? 2 : 1, std::memory_order_relaxed);
+    return waits;
+  }
   /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
   /// / block_threads).
   unsigned max_blocks() const { return max_blocks_; }
@@ -390,7 +415,7 @@ class CudaBackend {
     if (items == 0) return;
     const detail::CudaDeviceGuard guard(device_);
     detail::launch_kernel(detail::run_items<Body>, launch_shape(items, resident_blocks<Body>(), lanes_of<Body>()), s,
-                          programmatic_, body, items);
+                          programmatic_ && waits_for_prior<Body>(), body, items);
   }
 
   /// *out (device memory) = the sum over items of body(item, ...) (a double per item), deterministically. Allocates
@@ -439,6 +464,15 @@ class CudaBackend {
     const cudaStream_t s = detail::native(stream);
     const detail::CudaDeviceGuard guard(device_);
     TANDEM_CUDA_CHECK(cudaStreamWaitEvent(s, event.get(), 0));
+  }
+  /// Whether `stream` is capturing work into a CUDA graph (cudaStreamIsCapturing).
+  bool capturing(Stream stream) const {
+    const cudaStream_t s = detail::native(stream);
+    if (s == nullptr) return false;  // the legacy default stream: tandem's calls never capture it
+    const detail::CudaDeviceGuard guard(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    TANDEM_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+    return status != cudaStreamCaptureStatusNone;  // active, or invalidated and not ended yet
   }
 
   /// Waits (bounded by timeout()) until `stream` has run the work enqueued on it so far.

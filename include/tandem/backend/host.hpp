@@ -154,6 +154,8 @@ class HostBackend {
   void wait(Stream s, const Event&) const { check_stream(s); }
 
   void synchronize(Stream = {}) const {}
+  /// Whether `s` is capturing work (never: there is nothing to capture).
+  bool capturing(Stream) const { return false; }
 
   const HostBackendOptions& options() const { return options_; }
 

@@ -14,7 +14,9 @@
 //   capture             begin_capture() / end_capture() on a HostStream: what is enqueued meanwhile is recorded, not
 //                       run (cudaStreamBeginCapture / EndCapture): a stream that waits on an event recorded during the
 //                       capture joins it, and must rejoin the capturing stream by an event before the capture ends.
-//                       Synchronizing or reading a capturing stream throws, as CUDA refuses it. HostGraph::replay()
+//                       Synchronizing or reading a capturing stream throws, as CUDA refuses it, and so does a wait of a
+//                       capturing stream on a record made outside the capture (a dependency across its boundary: CUDA's
+//                       cudaErrorStreamCaptureIsolation, unless the wait is marked external). HostGraph::replay()
 //                       enqueues the recorded work again on the same streams, with fresh events between them
 //                       (cudaGraphLaunch): the host's stand-in for a step captured in a CUDA graph.
 //   StreamHostBackend   HostBackend's operations (copy, zero, launch, sum_to, read) enqueued on a stream; buffers are
@@ -122,7 +124,6 @@ struct HostCapture {
     std::function<void(const std::exception_ptr&)> op;  ///< Kind::op: the operation, given the stream's error
     bool always = false;                                ///< Kind::op: runs after a failure too (enqueue_always)
     std::size_t record = 0;                             ///< Kind::record, Kind::wait: the capture's record number
-    std::shared_ptr<HostEventRecord> outside;           ///< Kind::wait on a record made before the capture
   };
   HostStream* origin = nullptr;
   std::vector<HostStream*> streams;  ///< origin first, then the streams that joined
@@ -130,13 +131,11 @@ struct HostCapture {
   std::size_t records = 0;
   std::atomic<bool> ended{false};  ///< end_capture ran: its records are reached in replays only
 
-  void add(HostStream* stream, Step::Kind kind, std::size_t record = 0,
-           std::shared_ptr<HostEventRecord> outside = nullptr) {
+  void add(HostStream* stream, Step::Kind kind, std::size_t record) {
     Step step;
     step.stream = stream;
     step.kind = kind;
     step.record = record;
-    step.outside = std::move(outside);
     steps.push_back(std::move(step));
   }
   void add_op(HostStream* stream, std::function<void(const std::exception_ptr&)> op, bool always) {
@@ -247,10 +246,11 @@ class HostStream {
         capture_->streams.push_back(this);
       }
       if (capture_ != nullptr) {
-        if (record->capture != nullptr)
-          capture_->add(this, Kind::wait, record->number);
-        else
-          capture_->add(this, Kind::wait, 0, std::move(record));
+        if (record->capture == nullptr)
+          detail::fail(
+              "tandem: a capturing HostStream waited on an event recorded outside the capture; CUDA refuses such a "
+              "wait (cudaErrorStreamCaptureIsolation: a dependency across the capture's boundary)");
+        capture_->add(this, Kind::wait, record->number);
         return;
       }
     }
@@ -369,7 +369,7 @@ class HostGraph {
       else if (step.kind == Kind::record)
         q.enqueue_always([r = records[step.record]](const std::exception_ptr& failed) { r->reach(failed); });
       else
-        q.enqueue_always([r = step.outside ? step.outside : records[step.record]](const std::exception_ptr& failed) {
+        q.enqueue_always([r = records[step.record]](const std::exception_ptr& failed) {
           if (failed) return;
           if (std::exception_ptr failure = r->wait()) std::rethrow_exception(failure);
         });
@@ -409,8 +409,7 @@ inline HostGraph HostStream::end_capture() {
     if (rejoined) {
       rejoined = false;
       for (std::size_t i = last + 1; i < steps.size(); ++i)
-        if (steps[i].stream == this && steps[i].kind == Kind::wait && !steps[i].outside &&
-            steps[i].record == steps[last].record)
+        if (steps[i].stream == this && steps[i].kind == Kind::wait && steps[i].record == steps[last].record)
           rejoined = true;
     }
     if (!rejoined)
@@ -609,6 +608,11 @@ class StreamHostBackend {
   /// Blocks until `s` has run everything enqueued on it; throws its error.
   void synchronize(Stream s = {}) const {
     if (HostStream* q = detail::host_queue(s)) q->synchronize();
+  }
+  /// Whether `s` is capturing (HostStream::begin_capture, or a stream that joined its capture).
+  bool capturing(Stream s) const {
+    HostStream* q = detail::host_queue(s);
+    return q != nullptr && q->capturing();
   }
 
   const HostBackendOptions& options() const { return direct_.options(); }

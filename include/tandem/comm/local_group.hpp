@@ -746,15 +746,17 @@ class LocalComm {
       collective(kind, send, recv, count, dtype, op, root);
       return;
     }
-    previous_.wait_on(stream);
+    // A collective captured on the stream (HostStream::begin_capture) runs in the capture's replays, ordered by that
+    // stream, as NCCL's are: it cannot wait on a record made outside the capture (CUDA refuses such a wait), and an
+    // event recorded in the capture could not be waited on after it, so the chain starts afresh.
+    const bool capturing = queue->capturing();
+    if (!capturing) previous_.wait_on(stream);
     queue->enqueue([this, kind, send, recv, count, dtype, op, root] {
       detail::error_rank() = rank_;
       collective(kind, send, recv, count, dtype, op, root);
     });
     queued_ = true;
-    // A collective captured on the stream (HostStream::begin_capture) runs in the capture's replays, ordered by that
-    // stream: an event recorded in the capture could not be waited on after it, so the chain starts afresh.
-    if (queue->capturing())
+    if (capturing)
       previous_ = HostEvent{};
     else
       previous_.record(stream);

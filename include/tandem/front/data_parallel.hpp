@@ -64,6 +64,7 @@
 #include <exception>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -176,11 +177,17 @@ class DataParallel {
     if (!live_.yes) return;  // moved from: nothing of its own is left
     for (std::size_t b = 0; b < open_.gradients.size(); ++b)
       if (open_.gradients[b])
-        std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle\n", b);
+        std::fprintf(stderr,
+                     "tandem: ~DataParallel: bucket %zu's GradientBucket is still open; its views dangle, and the "
+                     "handle refuses every use\n",
+                     b);
     for (std::size_t b = 0; b < open_.parameters.size(); ++b)
       if (open_.parameters[b])
-        std::fprintf(stderr, "tandem: ~DataParallel: bucket %zu's ParameterBucket is still open; its views dangle\n",
+        std::fprintf(stderr,
+                     "tandem: ~DataParallel: bucket %zu's ParameterBucket is still open; its views dangle, and the "
+                     "handle refuses every use\n",
                      b);
+    if (handles_target_) *handles_target_ = false;
     try {
       const StreamScope scope(*this, Exit::leave);
     } catch (const std::exception& e) {
@@ -343,7 +350,9 @@ class DataParallel {
   ///   while (dp.all_ranks_have_batch(it != end ? Batch::available : Batch::exhausted)) { ...; dp.step(); }
   ///
   /// It returns true while every rank has one and false on every rank as soon as any rank has none, so the ranks with
-  /// more batches drop their extra ones. Stopping inside an accumulation window leaves that window's gradients unused.
+  /// more batches drop their extra ones. Stopping inside an accumulation window leaves that window open: the next
+  /// step() (the next epoch's, say) adds the gradients of its micro-steps in, and save_checkpoint refuses until then;
+  /// discard_gradients() drops them.
   /// It also checks the rule: if the ranks have taken different numbers of micro-steps so far, every rank throws
   /// tandem::error naming them. Costs one all-gather of two words per rank. Under StepReport::deferred it then reports
   /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
@@ -401,7 +410,8 @@ class DataParallel {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
-                   " of " + std::to_string(options_.accumulation_steps) + "); save after the optimizer step");
+                   " of " + std::to_string(options_.accumulation_steps) +
+                   "); save after the optimizer step, or drop the window's gradients with discard_gradients() first");
     const StreamScope scope(*this, Exit::stay);  // the parameters as the user's stream left them; tandem only reads
     std::string problem;
     try {
@@ -637,6 +647,7 @@ class DataParallel {
                    "): the bucket's gradients are already complete in this micro-step (released, or every tensor "
                    "announced by grad_ready); open each bucket at most once per micro-step");
     if (state_.grad_flat() == nullptr) {  // the bucket's gradients live in a reused slot while it is open
+      refuse_capture("gradients(b)");
       const std::size_t slot = slots_.acquire(b, next_bucket_);
       try {
         backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
@@ -664,6 +675,7 @@ class DataParallel {
     check_bucket_call(b, "parameters");
     if (open_.parameters[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
+    if (gathered_.slots() != 0) refuse_capture("parameters(b)");
     wait_pending_parameters(b);  // ParametersReady::by_bucket: the last step's work on b
     Ops ops{*this};
     const void* params = P::open_parameters(ops, b);
@@ -693,6 +705,7 @@ class DataParallel {
     check_stepping("prefetch_parameters(b)");
     check_bucket_call(b, "prefetch_parameters");
     if (gathered_.slots() == 0) return;  // the policy keeps every parameter: nothing is gathered for use
+    refuse_capture("prefetch_parameters(b)");
     std::size_t slot = gathered_.find(b);
     if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
     if (!gathered_.held(slot)) gathered_.prefetched(slot);  // reserved until opened, even if it was gathered before
@@ -728,6 +741,9 @@ class DataParallel {
         } catch (const std::exception& e) {
           problem = std::string("tandem: initialize_parameters: fill threw on rank ") + std::to_string(root) + ": " +
                     e.what();
+        } catch (...) {  // not a std::exception: the other ranks must learn of it all the same
+          problem = "tandem: initialize_parameters: fill threw on rank " + std::to_string(root) +
+                    " (an exception not derived from std::exception)";
         }
       all_ranks_succeed(problem);
     };
@@ -796,7 +812,11 @@ class DataParallel {
   class BucketHandle {
    public:
     BucketHandle(BucketHandle&& o) noexcept
-        : dp_(std::exchange(o.dp_, nullptr)), bucket_(o.bucket_), kind_(o.kind_), exceptions_(o.exceptions_) {}
+        : dp_(std::exchange(o.dp_, nullptr)),
+          target_(std::move(o.target_)),
+          bucket_(o.bucket_),
+          kind_(o.kind_),
+          exceptions_(o.exceptions_) {}
     BucketHandle& operator=(BucketHandle&&) = delete;
 
     std::size_t bucket() const { return bucket_; }
@@ -805,13 +825,16 @@ class DataParallel {
 
    protected:
     BucketHandle(DataParallel& dp, std::size_t b, const char* kind)
-        : dp_(&dp), bucket_(b), kind_(kind), exceptions_(std::uncaught_exceptions()) {}
+        : dp_(&dp), target_(dp.handles_target_), bucket_(b), kind_(kind), exceptions_(std::uncaught_exceptions()) {}
     ~BucketHandle() = default;
 
     /// The DataParallel, or an error saying why the handle cannot be used.
     DataParallel& dp() const {
       if (dp_ == nullptr)
         detail::fail(std::string("tandem: ") + kind_ + " used after release() (or after being moved from)");
+      if (!*target_)
+        detail::fail(std::string("tandem: ") + kind_ + " of bucket " + std::to_string(bucket_) +
+                     " used after its DataParallel was destroyed; release every handle first");
       return *dp_;  // live: a DataParallel with a handle open refuses to move (OpenHandles)
     }
     /// Tensor i's offset in the bucket, or an error naming `call` if i is not one of its tensors.
@@ -825,8 +848,8 @@ class DataParallel {
                      ", not in this handle's bucket " + std::to_string(bucket_));
       return d.plan_.placement(i).offset;
     }
-    /// The destructor's release: whether there is anything to do.
-    bool releasing() const { return dp_ != nullptr; }
+    /// The destructor's release: whether there is anything to do (nothing where the DataParallel is gone).
+    bool releasing() const { return dp_ != nullptr && *target_; }
     bool unwinding() const { return std::uncaught_exceptions() > exceptions_; }
     /// Ends the handle, returning its DataParallel for the release.
     DataParallel& take() {
@@ -839,6 +862,7 @@ class DataParallel {
     }
 
     DataParallel* dp_;
+    std::shared_ptr<const bool> target_;  ///< whether *dp_ still exists (DataParallel::handles_target_)
     std::size_t bucket_;
     const char* kind_;
     int exceptions_;
@@ -1083,6 +1107,17 @@ class DataParallel {
     DataParallel& dp_;
     Exit exit_;
   };
+
+  /// Throws where the user's stream is capturing a pass that uses tandem's reused buffers (GradientSharded's gradient
+  /// slots, ParameterSharded's gather buffers): the pass would wait on their events from before the capture, which
+  /// CUDA refuses (cudaErrorStreamCaptureIsolation), and ParameterSharded's gathers would run once, at capture time.
+  void refuse_capture(const char* call) const {
+    if (backend_.capturing(options_.stream))
+      detail::fail(std::string("tandem: ") + call + " while the user's stream is capturing: under " + P::name +
+                   " with owned storage a pass waits on tandem's reused buffers across the capture's boundary, which "
+                   "a CUDA graph cannot hold; capture steps with user storage, or under Replicated or "
+                   "OptimizerSharded (docs/cuda.md)");
+  }
 
   void check_stepping(const char* what) const {
     check_state_whole(what);
@@ -1921,6 +1956,10 @@ class DataParallel {
   detail::StepRecord reported_;           ///< the record this rank last reported: its tallies were thrown here
   detail::StepRecord reported_together_;  ///< the record every rank last reported together (Reach::every_rank)
   bool synced_ = false;
+  /// Shared with the open bucket handles: false once this DataParallel is destroyed with one still open, which then
+  /// refuses every use and releases nothing (it pointed at freed memory). Moves with the object (a DataParallel with
+  /// a handle open refuses to move).
+  std::shared_ptr<bool> handles_target_ = std::make_shared<bool>(true);
   /// False once moved from (the defaulted move constructor moves it last, like every member).
   struct Live {
     bool yes = true;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// TANDEM_CUDA_CHECK(call): evaluates a CUDA runtime call once; on failure clears CUDA's sticky last error and
-// throws tandem::cuda_error carrying the status, its name, the call text, file:line and the rank.
+// TANDEM_CUDA_CHECK(call): evaluates a CUDA runtime call once; on failure resets CUDA's last error (cudaGetLastError:
+// an error that is not sticky; a sticky one, a kernel's illegal address say, stays with the context and every later
+// call returns it) and throws tandem::cuda_error carrying the status, its name, the call text, file:line and the rank.
 // visible_cuda_devices(): how many GPUs this process may use, 0 without a driver or device (not an error).
 #pragma once
 
