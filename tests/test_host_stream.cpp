@@ -558,6 +558,46 @@ test::Params train_on_user_stream(int world, int accumulation) {
   return result;
 }
 
+/// Enqueues on the user's stream (`on_user`) the copy of every bucket's parameters (its ParameterBucket) into `model`,
+/// the last bucket first, as a forward pass reads them; `prefetch`: each bucket prefetches the one after it.
+template <class DP, class OnUser>
+void read_into_model(DP& dp, mlp::Mlp<float>& model, const OnUser& on_user, bool prefetch) {
+  for (std::size_t b = dp.num_buckets(); b-- > 0;) {
+    auto params = dp.parameters(b);
+    if (prefetch && b > 0) dp.prefetch_parameters(b - 1);
+    for (std::size_t i : params.tensors())
+      on_user([&model, i, view = params.template param<float>(i)] {
+        std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
+      });
+  }
+}
+
+/// Enqueues the addition of `model`'s gradients into every bucket's GradientBucket views.
+template <class DP, class OnUser>
+void add_model_gradients(DP& dp, mlp::Mlp<float>& model, const OnUser& on_user) {
+  for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+    auto bucket = dp.gradients(b);
+    for (std::size_t i : bucket.tensors())
+      on_user([&model, i, g = bucket.grad(i)] {
+        for (std::size_t e = 0; e < model.grads()[i].size(); ++e) g[e] += model.grads()[i][e];
+      });
+  }
+}
+
+/// Every tensor's parameters, read through the ParameterBuckets on the user's stream (synchronize it before use).
+template <class DP, class OnUser>
+test::Params read_parameters(DP& dp, const std::vector<tandem::TensorSpec>& specs, const OnUser& on_user) {
+  test::Params final(specs.size());
+  for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
+    auto params = dp.parameters(b);
+    for (std::size_t i : params.tensors())
+      on_user([&final, &specs, i, view = params.template param<float>(i)] {
+        final[i].assign(view, view + specs[i].numel);
+      });
+  }
+  return final;
+}
+
 /// The same with owned storage: the user's stream writes the initial parameters (initialize_parameters), reads each
 /// bucket's parameters from its ParameterBucket (reused gather buffers under ParameterSharded, with the next bucket
 /// prefetched), runs backward and adds the gradients into each bucket's GradientBucket views (reused buffers under
@@ -598,32 +638,12 @@ test::Params train_owned_on_user_stream(int world, int accumulation, int buffers
     for (int step = 0; step < steps; ++step)
       for (int micro = 0; micro < accumulation; ++micro) {
         const int begin = (step * accumulation + micro) * global_batch + comm.rank() * local;
-        for (std::size_t b = dp.num_buckets(); b-- > 0;) {  // forward: the last layers' bucket last
-          auto params = dp.parameters(b);
-          if (buffers > 1 && b > 0) dp.prefetch_parameters(b - 1);
-          for (std::size_t i : params.tensors())
-            on_user([&model, i, view = params.template param<float>(i)] {
-              std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
-            });
-        }
+        read_into_model(dp, model, on_user, buffers > 1);
         on_user([&model, &data, begin, local] { model.forward_backward(data, begin, local); });
-        for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
-          auto bucket = dp.gradients(b);
-          for (std::size_t i : bucket.tensors())
-            on_user([&model, i, g = bucket.grad(i)] {
-              for (std::size_t e = 0; e < model.grads()[i].size(); ++e) g[e] += model.grads()[i][e];
-            });
-        }
+        add_model_gradients(dp, model, on_user);
         dp.step();
       }
-    test::Params final(specs.size());
-    for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
-      auto params = dp.parameters(b);
-      for (std::size_t i : params.tensors())
-        on_user([&final, &specs, i, view = params.template param<float>(i)] {
-          final[i].assign(view, view + specs[i].numel);
-        });
-    }
+    test::Params final = read_parameters(dp, specs, on_user);
     user.synchronize();
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
@@ -695,21 +715,9 @@ std::pair<test::Params, std::string> train_owned_captured(bool captured) {
       on_user([&model, i, values] { std::copy(model.params()[i].begin(), model.params()[i].end(), values); });
     });
     auto optimizer_step = [&](int begin) {
-      for (std::size_t b = dp.num_buckets(); b-- > 0;) {
-        auto params = dp.parameters(b);
-        for (std::size_t i : params.tensors())
-          on_user([&model, i, view = params.template param<float>(i)] {
-            std::copy(view, view + model.params()[i].size(), model.params()[i].begin());
-          });
-      }
+      read_into_model(dp, model, on_user, false);
       on_user([&model, &data, begin, n = batch] { model.forward_backward(data, begin, n); });
-      for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
-        auto bucket = dp.gradients(b);
-        for (std::size_t i : bucket.tensors())
-          on_user([&model, i, g = bucket.grad(i)] {
-            for (std::size_t e = 0; e < model.grads()[i].size(); ++e) g[e] += model.grads()[i][e];
-          });
-      }
+      add_model_gradients(dp, model, on_user);
       dp.step();
     };
     optimizer_step(0);  // eager in both runs, as a CUDA graph is captured after a warm-up step
@@ -727,14 +735,7 @@ std::pair<test::Params, std::string> train_owned_captured(bool captured) {
       const tandem::HostGraph graph = user.end_capture();
       for (int s = 1; s < steps; ++s) graph.replay();
     }
-    test::Params final(specs.size());
-    for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
-      auto params = dp.parameters(b);
-      for (std::size_t i : params.tensors())
-        on_user([&final, &specs, i, view = params.template param<float>(i)] {
-          final[i].assign(view, view + specs[i].numel);
-        });
-    }
+    test::Params final = read_parameters(dp, specs, on_user);
     user.synchronize();
     result = std::move(final);
   });
