@@ -27,7 +27,7 @@ struct AdamWOptions {
   float lr = 1e-3f;
   float beta1 = 0.9f;
   float beta2 = 0.999f;
-  float eps = 1e-8f;
+  float eps = 1e-8f;  ///< > 0 (PyTorch also takes 0, where a gradient of 0 gives 0/0)
   float weight_decay = 1e-2f;
 };
 

@@ -27,7 +27,7 @@ namespace tandem {
 struct SGDOptions {
   float lr = 1e-2f;
   float momentum = 0.0f;
-  float dampening = 0.0f;
+  float dampening = 0.0f;  ///< in [0, 1] (PyTorch does not check it)
   float weight_decay = 0.0f;
   Nesterov nesterov = Nesterov::off;
 };
