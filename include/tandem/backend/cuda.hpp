@@ -324,18 +324,13 @@ class CudaBackend {
   /// resident_blocks() for any kernel of block_threads threads (a benchmark's own, say).
   template <auto kernel>
   unsigned resident_blocks_of() const {
-    static std::array<std::atomic<unsigned>, 64> known{};  // per device ordinal; 0: not asked yet
-    const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
-    if (cached) {
-      const unsigned blocks = known[static_cast<std::size_t>(device_)].load(std::memory_order_relaxed);
-      if (blocks != 0) return blocks;
-    }
-    int per_sm = 0;
-    TANDEM_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(block_threads), 0));
-    const unsigned blocks = std::min(max_blocks_, sms_ * static_cast<unsigned>(std::max(per_sm, 1)));
-    if (cached) known[static_cast<std::size_t>(device_)].store(blocks, std::memory_order_relaxed);
-    return blocks;
+    static PerDevice known;
+    return once_per_device(known, [&] {
+      int per_sm = 0;
+      TANDEM_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(block_threads), 0));
+      return std::min(max_blocks_, sms_ * static_cast<unsigned>(std::max(per_sm, 1)));
+    });
   }
   /// Whether run_items<Body>, as this device runs it, waits for the kernel before it (griddepcontrol.wait): only code
   /// compiled for a virtual architecture of 9.0 or newer has the wait. A binary built for 8.0 alone runs on a 9.0
@@ -348,18 +343,13 @@ class CudaBackend {
   /// waits_for_prior() for any kernel (a benchmark's own, whose wait is compiled under __CUDA_ARCH__ >= 900 too).
   template <auto kernel>
   bool waits_for_prior_of() const {
-    static std::array<std::atomic<unsigned char>, 64> known{};  // per device ordinal; 0: not asked, 1: no, 2: yes
-    const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
-    if (cached) {
-      const unsigned char k = known[static_cast<std::size_t>(device_)].load(std::memory_order_relaxed);
-      if (k != 0) return k == 2;
-    }
-    const detail::CudaDeviceGuard guard(device_);
-    cudaFuncAttributes attributes{};
-    TANDEM_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    const bool waits = attributes.ptxVersion >= 90;
-    if (cached) known[static_cast<std::size_t>(device_)].store(waits ? 2 : 1, std::memory_order_relaxed);
-    return waits;
+    static PerDevice known;  // 1: no, 2: yes
+    return once_per_device(known, [&] {
+             const detail::CudaDeviceGuard guard(device_);
+             cudaFuncAttributes attributes{};
+             TANDEM_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+             return attributes.ptxVersion >= 90 ? 2u : 1u;
+           }) == 2;
   }
   /// The most blocks one launch uses: the blocks the device keeps resident at once (its SMs x resident_threads_per_sm
   /// / block_threads).
@@ -511,6 +501,21 @@ class CudaBackend {
   int device_ = -1;
   unsigned sms_ = 1;
   unsigned max_blocks_ = max_grid_blocks;
+  /// What a kernel's query gave on each device ordinal (0: not asked yet); a query never gives 0.
+  using PerDevice = std::array<std::atomic<unsigned>, 64>;
+  /// known[device] as `ask()` gives it, asked once per device (every time on an ordinal past the table's).
+  template <class Ask>
+  unsigned once_per_device(PerDevice& known, const Ask& ask) const {
+    const bool cached = device_ >= 0 && static_cast<std::size_t>(device_) < known.size();
+    if (cached) {
+      const unsigned value = known[static_cast<std::size_t>(device_)].load(std::memory_order_relaxed);
+      if (value != 0) return value;
+    }
+    const unsigned value = ask();
+    if (cached) known[static_cast<std::size_t>(device_)].store(value, std::memory_order_relaxed);
+    return value;
+  }
+
   bool programmatic_ = false;  // launch() is programmatic (options.programmatic_launch on a 9.0+ device)
   Stream stream_;
   Stream comm_stream_;  ///< always the backend's own
