@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 #
-# One ctest entry per doctest case, so that a failure names the case, not the file.
+# One ctest entry per doctest case, so that a failure names the case, not the file; and tandem_add_check_test (below),
+# a command line's exit code and output.
 #
 #   tandem_add_test_cases(<target> PREFIX <prefix> LABELS <label>... TIMEOUT <seconds> [SKIP_RETURN_CODE <code>])
 #
@@ -78,4 +79,13 @@ function(tandem_add_test_cases target)
        "if(EXISTS [==[${list_file}]==])\n  include([==[${list_file}]==])\nelse()\n"
        "  add_test([==[${arg_PREFIX}NOT_BUILT]==] [==[${target}_NOT_BUILT]==])\nendif()\n")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${include_file}")
+endfunction()
+
+# A command line that must exit with <rc> and print output matching <regex>, both checked by tests/cli_check.cmake
+# (PASS_REGULAR_EXPRESSION alone would pass a run that printed its line and then crashed or failed).
+#
+#   tandem_add_check_test(<name> <rc> <regex> <program> <arguments>...)
+function(tandem_add_check_test name rc regex)
+  add_test(NAME ${name} COMMAND ${CMAKE_COMMAND} -DEXPECT_RC=${rc} "-DREGEX=${regex}"
+                                -P "${PROJECT_SOURCE_DIR}/tests/cli_check.cmake" -- ${ARGN})
 endfunction()

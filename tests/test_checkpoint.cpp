@@ -240,6 +240,14 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
          });
        },
        "has format version 3", false},
+      {"a manifest whose step was changed",  // (the shards' metadata records it too, under their header checksums)
+       [&](const std::string& d) {
+         edit(d + "/manifest.json", [](auto& b) {
+           const std::string text(b.begin(), b.end());
+           b[text.find("\"step\": 3") + 8] = '8';
+         });
+       },
+       "records step 3 where the checkpoint's manifest says 8 (a damaged manifest?)", false},
   };
   for (const Case& c : cases) {
     CAPTURE(c.what);
@@ -370,6 +378,13 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
   shard[shard.size() - 100] ^= 0x01;
   write_file(victim, shard);
   CHECK_THROWS_WITH_AS(tandem::verify_checkpoint(dir), doctest::Contains("does not match its data"), tandem::error);
+  // So does import, in the file it takes: a damaged consolidated file becomes no checkpoint, and the one there stays.
+  std::vector<char> consolidated = read_file(out);
+  consolidated[consolidated.size() - 100] ^= 0x01;
+  write_file(out, consolidated);
+  CHECK_THROWS_WITH_AS(tandem::import_parameters(out, imported), doctest::Contains("does not match its data"),
+                       tandem::error);
+  CHECK(tandem::verify_checkpoint(imported).manifest.parameters_only);
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(imported);
   std::remove(out.c_str());
@@ -429,6 +444,17 @@ TEST_CASE("a file of the earlier single-file format still loads; a damaged one f
     }
   }
   for (const std::string& msg : try_load(2, temp_path("missing"))) CHECK(msg.find("cannot open") != std::string::npos);
+  // A safetensors file (a model's weights) is told apart by its first bytes, and not read whole first.
+  {
+    tandem::SafetensorsWriter w(bad, {{"w", tandem::DType::fp32, 1}}, {{"format", "pt"}}, "the test file");
+    const float one = 1.0f;
+    w.data(&one, sizeof one);
+    w.commit();
+  }
+  for (const std::string& msg : try_load(2, bad))
+    CHECK(msg == "tandem: `" + bad +
+                     "` is a safetensors file, not a tandem checkpoint: load a checkpoint's directory, or make one of "
+                     "this file's tensors with `tandem_checkpoint import` (tandem::import_parameters)");
   std::remove(legacy.c_str());
   std::remove(bad.c_str());
 }
@@ -571,7 +597,8 @@ TEST_CASE("a manifest's commit that throws leaves the previous one: nothing thro
   train<tandem::Replicated>(2, 0, 2, Action::save, dir);
   const std::vector<char> before = read_file(dir + "/manifest.json");
   tandem::CheckpointManifest next = tandem::detail::read_manifest(dir);
-  next.step += 1;  // the same files under another step: the commit changes manifest.json and removes nothing
+  next.policy = "OptimizerSharded";  // the same files, said to be another policy's: the commit changes manifest.json
+                                     // and removes nothing (another step would not verify: the files record theirs)
   bool committed = false;
   long failures = 0;
   for (long n = 0; !committed && n < 10000; ++n) {
@@ -587,7 +614,7 @@ TEST_CASE("a manifest's commit that throws leaves the previous one: nothing thro
   }
   CHECK(committed);
   CHECK(failures > 5);  // (the commit allocates: each of those allocations failed once)
-  CHECK(tandem::detail::read_manifest(dir).step == next.step);
+  CHECK(tandem::detail::read_manifest(dir).policy == next.policy);
   CHECK(temporaries_of(dir).empty());
   tandem::verify_checkpoint(dir);
   std::filesystem::remove_all(dir);

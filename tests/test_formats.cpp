@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "support/temp_path.hpp"
+#include "tandem/core/atomic_file.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/crc32c.hpp"
 #include "tandem/core/json.hpp"
@@ -123,6 +124,22 @@ TEST_CASE("JSON: every construct parses, integers stay exact, and malformed text
   }
   std::string deep(100, '[');
   CHECK_THROWS_WITH_AS(parse(deep, "deep"), doctest::Contains("nested more than 64 deep"), tandem::error);
+  // Text that is not UTF-8 (RFC 8259): a lone continuation byte, a truncated sequence, overlong forms, a surrogate,
+  // past U+10FFFF, bytes UTF-8 never uses; named by the byte, after a run of ASCII read 8 bytes at a time.
+  for (const char* bad : {"\x80", "\xc3", "\xc0\x80", "\xe0\x80\x80", "\xed\xa0\x80", "\xf4\x90\x80\x80",
+                          "\xf5\x80\x80\x80", "\xff", "\xe2\x82"}) {
+    CAPTURE(bad);
+    const std::string text = "[\"0123456789abcdef" + std::string(bad) + "\"]";
+    CHECK(tandem::detail::json::utf8_prefix(text) == 18);
+    CHECK_THROWS_WITH_AS(parse(text, "the input"), doctest::Contains("not part of UTF-8 (at byte 18)"), tandem::error);
+  }
+  for (const char* good :
+       {"\xc2\x80", "\xe0\xa0\x80", "\xed\x9f\xbf", "\xee\x80\x80", "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf"}) {
+    CAPTURE(good);
+    const std::string text = "[\"0123456789abcdef" + std::string(good) + "\"]";
+    CHECK(tandem::detail::json::utf8_prefix(text) == text.size());
+    CHECK(parse(text, "the input").items.at(0).string == "0123456789abcdef" + std::string(good));
+  }
 }
 
 TEST_CASE("safetensors: written in pieces, read back by range, and refused when the header lies") {
@@ -214,6 +231,20 @@ TEST_CASE("safetensors: pieces written in place, copied or whole, adjacent or sc
   std::remove(path.c_str());
 }
 
+TEST_CASE("a checkpoint's directory is created with its missing parents, and a file in the way is named") {
+  const std::string root = test::temp_path("durable_dirs");
+  tandem::detail::create_directories_durably(root + "/a/b/");  // (each new entry flushed into its parent)
+  CHECK(std::filesystem::is_directory(root + "/a/b"));
+  tandem::detail::create_directories_durably(root + "/a/b");  // there already: nothing to do
+  std::FILE* f = std::fopen((root + "/file").c_str(), "w");
+  REQUIRE(f != nullptr);
+  std::fclose(f);
+  const std::string named = "cannot create the directory `" + root + "/file/c`";
+  CHECK_THROWS_WITH_AS(tandem::detail::create_directories_durably(root + "/file/c"), doctest::Contains(named.c_str()),
+                       tandem::error);
+  std::filesystem::remove_all(root);
+}
+
 TEST_CASE("safetensors: a file the disk has no room for fails before anything is written, and leaves nothing") {
   const std::string path = test::temp_path("no_room") + ".safetensors";
   bool reserves = false;  // whether the file system reserves space ahead (fallocate)
@@ -239,17 +270,17 @@ TEST_CASE("safetensors: a file the disk has no room for fails before anything is
   CHECK(files_named_like(path) == 0);
 }
 
-TEST_CASE("safetensors: a header over the readers' 100 MiB is refused on write, before anything is written") {
+TEST_CASE("safetensors: a header over the readers' 100,000,000 bytes is refused on write, before anything is written") {
   const std::string path = test::temp_path("huge_header") + ".safetensors";
-  // one name of 100 MiB: the header is that and the entry's JSON around it
+  // one long name: the header is that and the entry's JSON around it (some 60 bytes), over the reference reader's
+  // 100,000,000 bytes and under 100 MiB
   const auto write = [&](std::size_t name_bytes) {
     tandem::SafetensorsWriter w(path, {{std::string(name_bytes, 'n'), tandem::DType::fp32, 1}}, {}, "the test file");
     const float x = 1.0f;
     w.data(&x, sizeof x);
     w.commit();
   };
-  CHECK_THROWS_WITH_AS(write(std::size_t{100} << 20), doctest::Contains("the test file would have a header of"),
-                       tandem::error);
+  CHECK_THROWS_WITH_AS(write(99'999'990), doctest::Contains("the test file would have a header of"), tandem::error);
   CHECK(files_named_like(path) == 0);
   write(std::size_t{1} << 20);  // a 1 MiB name is written, and read back
   CHECK(tandem::SafetensorsFile(path).tensors().at(0).name.size() == std::size_t{1} << 20);
@@ -257,12 +288,13 @@ TEST_CASE("safetensors: a header over the readers' 100 MiB is refused on write, 
 }
 
 TEST_CASE("safetensors: the checksums in one metadata value in data order, or per name as earlier files have them") {
+  // (Read only from files of tandem's: those that say so, and shards and consolidated files of earlier versions.)
   using tandem::parse_safetensors_header;
   // Two tensors whose header order is not their data order: the digits go by the data.
   const std::string entries =
       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
-  const tandem::SafetensorsHeader h =
-      parse_safetensors_header(R"({"__metadata__":{"crc32c":"0000000a0000000b","k":"v"},)" + entries + "}", 8, "h");
+  const tandem::SafetensorsHeader h = parse_safetensors_header(
+      R"({"__metadata__":{"crc32c":"0000000a0000000b","k":"v","tandem_checksums":"crc32c"},)" + entries + "}", 8, "h");
   REQUIRE(h.find("a") != nullptr);
   CHECK(h.find("a")->has_crc);
   CHECK(h.find("a")->crc == 0xau);
@@ -271,25 +303,51 @@ TEST_CASE("safetensors: the checksums in one metadata value in data order, or pe
   CHECK(*h.find_metadata("k") == "v");
   // The earlier form: a key per tensor (and one of no tensor kept as metadata).
   const tandem::SafetensorsHeader earlier = parse_safetensors_header(
-      R"({"__metadata__":{"crc32c/a":"0000000c","crc32c/zz":"00000001"},)" + entries + "}", 8, "h");
+      R"({"__metadata__":{"crc32c/a":"0000000c","crc32c/zz":"00000001","format":"tandem-checkpoint-shard"},)" +
+          entries + "}",
+      8, "h");
   CHECK(earlier.find("a")->crc == 0xcu);
   CHECK(!earlier.find("b")->has_crc);
   CHECK(*earlier.find_metadata("crc32c/zz") == "00000001");
   for (const char* digits : {"0000000a", "0000000a0000000b0", "0000000a0000000G"}) {
     CAPTURE(digits);
-    const std::string header = R"({"__metadata__":{"crc32c":")" + std::string(digits) + R"("},)" + entries + "}";
+    const std::string header =
+        R"({"__metadata__":{"tandem_step":"3","crc32c":")" + std::string(digits) + R"("},)" + entries + "}";
     CHECK_THROWS_WITH_AS(
         parse_safetensors_header(header, 8, "h"),
         doctest::Contains(std::string(digits).size() == 16 ? "is not 8 hex digits" : "not 8 hex digits for each"),
         tandem::error);
   }
-  // The writer keeps the key for itself.
+  // Another writer's file: its keys of those names are its own metadata (a whole file's checksum, say), well-formed
+  // as checksums or not.
+  for (const char* digits : {"0000000a0000000b", "deadbeef"}) {
+    CAPTURE(digits);
+    const tandem::SafetensorsHeader other = parse_safetensors_header(
+        R"({"__metadata__":{"format":"pt","crc32c":")" + std::string(digits) + R"(","crc32c/a":"x"},)" + entries + "}",
+        8, "h");
+    CHECK(!other.find("a")->has_crc);
+    CHECK(!other.find("b")->has_crc);
+    CHECK(*other.find_metadata("crc32c") == digits);
+    CHECK(*other.find_metadata("crc32c/a") == "x");
+  }
+  // The writer keeps the keys for itself, and says its checksums are tandem's.
   const std::string path = test::temp_path("crc_key") + ".safetensors";
-  const auto write = [&] {
-    tandem::SafetensorsWriter w(path, {{"a", tandem::DType::fp32, 1}}, {{"crc32c", "x"}}, "f");
-  };
-  CHECK_THROWS_WITH_AS(write(), doctest::Contains("cannot take metadata `crc32c`"), tandem::error);
-  CHECK(!std::filesystem::exists(path));
+  for (const char* key : {"crc32c", "tandem_checksums"}) {
+    const auto write = [&] { tandem::SafetensorsWriter w(path, {{"a", tandem::DType::fp32, 1}}, {{key, "x"}}, "f"); };
+    const std::string refused = "cannot take metadata `" + std::string(key) + "`";
+    CHECK_THROWS_WITH_AS(write(), doctest::Contains(refused.c_str()), tandem::error);
+    CHECK(!std::filesystem::exists(path));
+  }
+  const float two = 2.0f;
+  {
+    tandem::SafetensorsWriter w(path, {{"a", tandem::DType::fp32, 1}}, {{"format", "pt"}}, "f");
+    w.data(&two, sizeof two);
+    w.commit();
+  }
+  const tandem::SafetensorsFile written(path);
+  CHECK(written.tensors().at(0).has_crc);
+  CHECK(written.tensors().at(0).crc == tandem::detail::crc32c(&two, sizeof two));
+  std::filesystem::remove(path);
 }
 
 TEST_CASE("safetensors: the writer refuses names a reader could not tell apart, and writes nothing") {
@@ -304,6 +362,14 @@ TEST_CASE("safetensors: the writer refuses names a reader could not tell apart, 
   // A reader takes `__metadata__` for the file's metadata: such a tensor would be read back as a broken header.
   CHECK_THROWS_WITH_AS(write({{"a", f, 1}, {"__metadata__", f, 1}}),
                        doctest::Contains("the test file would hold a tensor named `__metadata__`"), tandem::error);
+  CHECK(!std::filesystem::exists(path));
+  // Names and metadata that are not UTF-8: no safetensors reader takes such a header (the reference one refuses it).
+  CHECK_THROWS_WITH_AS(write({{"a", f, 1}, {"lay\xe9r.w", f, 1}}),
+                       doctest::Contains("the test file would hold a tensor name that is not UTF-8 from byte 3 on "
+                                         "(`lay` before it)"),
+                       tandem::error);
+  CHECK_THROWS_WITH_AS((tandem::SafetensorsWriter(path, {{"a", f, 1}}, {{"k", "\xff"}}, "the test file")),
+                       doctest::Contains("the test file would hold a metadata value that is not UTF-8"), tandem::error);
   CHECK(!std::filesystem::exists(path));
   {
     tandem::SafetensorsWriter w(path, {{"a", f, 1}, {"__metadata__x", f, 1}, {"A", f, 1}}, {}, "the test file");
@@ -357,7 +423,9 @@ TEST_CASE("safetensors: an entry in any valid form parses as the same entry in t
       {R"({"dtype":"BF16","shape":[6],"data_offsets":[0,0000000000000000000012]})", {}},  // (not JSON: refused)
       {R"({"dtype":"BF16","shape":[00000000000000000006],"data_offsets":[0,12]})", {}},
       {R"({"dtype":"BF16","shape":[6],"data_offsets":[0,12.0]})", {}},
-      {R"({"dtype":"BF16","shape":[],"data_offsets":[0,2]})", {}},  // a scalar: one element
+      {R"({"dtype":"BF16","shape":[],"data_offsets":[0,2]})", {}},       // a scalar: one element
+      {R"({"dtype":"F32BF16","shape":[6],"data_offsets":[0,12]})", {}},  // a dtype's name with more after it: none
+      {R"({"dtype":"BF16F64","shape":[6],"data_offsets":[0,12]})", {}},
   };
   for (const auto& [entry, shape] : forms) {
     CAPTURE(entry);

@@ -550,8 +550,8 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
       state.state(1)[o] = value(i, e, 3);
     });
     const std::string name = "rank" + std::to_string(comm.rank()) + ".safetensors";
-    const tandem::SafetensorsSummary summary =
-        tandem::detail::write_shard<P>(be, plan, layout, state, dtype, comm.rank(), world, dir + "/" + name);
+    const tandem::SafetensorsSummary summary = tandem::detail::write_shard<P>(
+        be, plan, layout, state, dtype, comm.rank(), world, manifest.step, dir + "/" + name);
     manifest.files[static_cast<std::size_t>(comm.rank())] = {name, summary.bytes, summary.header_crc};
   });
   tandem::detail::commit_manifest(dir, manifest);

@@ -79,7 +79,6 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
   const tandem::Plan plan(sizes, o);
   const CudaTables backend;
   const float scale = 0.5f;
-  std::size_t launches = 0;
   for (std::size_t b = 0; b < plan.num_buckets(); ++b) {
     CAPTURE(b);
     const tandem::Bucket& bucket = plan.bucket(b);
@@ -113,7 +112,6 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
     std::fill(flat.data(), flat.data() + bucket.size, poison);
     emulate_cuda_launch(t.items, tandem::PackBody<UserT, BucketT, PackDirection::to_bucket>{t.reading_user, t.tensors,
                                                                                             flat.data(), scale});
-    ++launches;
     std::vector<char> covered(bucket.size, 0);
     for (std::size_t i : bucket.tensors) {
       const std::size_t off = plan.placement(i).offset;
@@ -131,7 +129,6 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
     std::fill(arena.data(), arena.data() + arena.size(), user_poison);
     emulate_cuda_launch(t.items, tandem::PackBody<UserT, BucketT, PackDirection::from_bucket>{
                                      t.reading_bucket, t.tensors, flat.data(), 1.0f});
-    ++launches;
     std::vector<char> written(arena.size(), 0);
     for (std::size_t i : bucket.tensors) {
       const std::size_t off = plan.placement(i).offset;
@@ -144,7 +141,6 @@ void check_layout(const std::vector<std::size_t>& sizes, const std::vector<std::
     for (std::size_t e = 0; e < arena.size(); ++e)
       if (!written[e] && !same_bits(arena.data()[e], user_poison)) FAIL("unpack wrote outside the tensors at " << e);
   }
-  CHECK(launches == 2 * plan.num_buckets());  // one pack and one unpack launch per bucket, whatever the count
 }
 
 std::vector<std::size_t> gpt2_sizes() {

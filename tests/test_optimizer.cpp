@@ -152,7 +152,6 @@ TEST_CASE("bias corrections by squaring are within a float's rounding of std::po
   for (std::uint64_t t = 0; t < 64; ++t) CHECK(pow_rn(0.5, t) == std::ldexp(1.0, -static_cast<int>(t)));  // exact
   CHECK(pow_rn(0.9, 1) == 0.9);
   std::mt19937_64 rng(3);
-  std::size_t checked = 0;
   for (float beta : {0.5f, 0.9f, 0.99f, 0.999f, 0.9999f, 0.99999f}) {
     const tandem::AdamWOptions o{.lr = 3e-4f, .beta1 = beta, .beta2 = beta};
     for (int k = 0; k < 3000; ++k) {
@@ -165,10 +164,8 @@ TEST_CASE("bias corrections by squaring are within a float's rounding of std::po
       CAPTURE(t);
       CHECK(std::abs(s.step_size - step_size) <= std::nextafter(step_size, 2 * step_size) - step_size);
       CHECK(std::abs(s.inv_sqrt_bc2 - inv_sqrt) <= std::nextafter(inv_sqrt, 2 * inv_sqrt) - inv_sqrt);
-      ++checked;
     }
   }
-  CHECK(checked == 18000);
 }
 
 TEST_CASE("PrepareStepBody: the step count advances, each group's scalars, and torch's clip rule in the factor") {

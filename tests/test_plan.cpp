@@ -125,7 +125,6 @@ void check_plan(const std::vector<std::size_t>& sizes, const tandem::PlanOptions
 
 TEST_CASE("random layouts x world sizes 1-9 satisfy every plan invariant") {
   std::mt19937 rng(12345);
-  int planned = 0;
   for (int trial = 0; trial < 1200; ++trial) {
     const auto sizes = random_sizes(rng);
     tandem::PlanOptions o;
@@ -137,9 +136,7 @@ TEST_CASE("random layouts x world sizes 1-9 satisfy every plan invariant") {
     o.first_bucket_cap_bytes = std::uniform_int_distribution<std::size_t>(o.bucket_element_bytes, 8000)(rng);
     CAPTURE(trial);
     check_plan(sizes, o, tandem::Plan(sizes, o));
-    ++planned;
   }
-  CHECK(planned == 1200);
 }
 
 TEST_CASE("a tensor larger than the cap gets a bucket of its own; the first bucket has its own cap") {

@@ -14,7 +14,11 @@ namespace tiny {
 
 int cuda_device_count() { return tandem::visible_cuda_devices(); }
 
+std::string cuda_fault() { return tandem::cuda_device_fault(); }
+
 void require_gpus(int ranks) {
+  if (const std::string fault = cuda_fault(); !fault.empty())
+    throw std::invalid_argument("--backend cuda: CUDA cannot use this machine's GPUs: " + fault);
   const int devices = cuda_device_count();
   if (ranks > devices)
     throw std::invalid_argument("--backend cuda needs one GPU per rank: " + std::to_string(ranks) + " rank(s), " +

@@ -14,7 +14,10 @@ namespace tiny {
 /// GPUs this process can use (0 without a driver or device: then the host backend is the default).
 int cuda_device_count();
 
-/// Throws, saying so, when fewer than `ranks` GPUs are visible.
+/// Where a CUDA driver is installed but no GPU can be used, why (tandem::cuda_device_fault); "" otherwise.
+std::string cuda_fault();
+
+/// Throws, saying so, when fewer than `ranks` GPUs are visible, or CUDA fails (cuda_fault).
 void require_gpus(int ranks);
 
 /// `ranks` CUDA ranks as threads of this process, one per GPU (devices 0..ranks-1, NCCL between them); returns

@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -177,7 +178,7 @@ int main(int argc, char** argv) {
   cfg.lr = 3e-3f;
   tiny::SortTask sort;
   std::string text_path, csv_path, backend;  // backend: "" chooses (cuda when enough GPUs exist, else host)
-  int ranks = 2, epochs = 0, context = 128, eval_examples = 2048;
+  int ranks = 2, epochs = 0, context = 128, eval_examples = 2048, train_examples = 50000;
   bool compare = false, bf16 = false, blas_info = false, blas_self_test = false;
   std::string blas_core = "auto", reduce_dtype = "fp32";
   tiny::PolicyKind policy = tiny::PolicyKind::replicated;
@@ -190,8 +191,9 @@ int main(int argc, char** argv) {
       "Train a tiny transformer with tandem on N ranks (host CPU ranks, or one GPU per rank). The default task sorts "
       "lists of numbers; --text FILE trains a byte-level language model instead. --compare trains 1 rank, then N "
       "ranks under each policy."};
-  app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded | parameter-sharded")
-      ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
+  auto* policy_opt =
+      app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded | parameter-sharded")
+          ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
   app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
       ->check(CLI::Range(1, 256));
   app.add_option("--backend", backend,
@@ -208,11 +210,25 @@ int main(int argc, char** argv) {
   app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(examples::positive);
   app.add_option("--heads", cfg.model.heads, "attention heads")->check(examples::positive);
   app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(examples::positive);
-  app.add_option("--context", context, "--text: bytes per training window")->check(examples::positive);
-  app.add_option("--sort-length", sort.length, "sort task: numbers per list")->check(CLI::Range(2, 512));
-  app.add_option("--sort-values", sort.values, "sort task: numbers are 0 .. values-1")->check(CLI::Range(2, 65535));
-  app.add_option("--eval", eval_examples, "held-out examples (sort task)")->check(examples::positive);
-  app.add_option("--text", text_path, "train a byte-level language model on this file")->check(CLI::ExistingFile);
+  auto* text_opt =
+      app.add_option("--text", text_path, "train a byte-level language model on this file")->check(CLI::ExistingFile);
+  // Each task's options are refused with the other task, where they would be ignored.
+  app.add_option("--context", context, "--text: bytes per training window")->check(examples::positive)->needs(text_opt);
+  app.add_option("--sort-length", sort.length, "sort task: numbers per list")
+      ->check(CLI::Range(2, 512))
+      ->excludes(text_opt);
+  app.add_option("--sort-values", sort.values, "sort task: numbers are 0 .. values-1")
+      ->check(CLI::Range(2, 65535))
+      ->excludes(text_opt);
+  app.add_option("--eval", eval_examples, "sort task: held-out examples")
+      ->check(examples::positive)
+      ->excludes(text_opt);
+  app.add_option("--train-examples", train_examples,
+                 "sort task: training examples, whatever --steps is (a longer run goes over them again, each epoch in "
+                 "a new order)")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str()
+      ->excludes(text_opt);
   app.add_option("--untimed-steps", cfg.untimed_steps, "leave the first steps out of the time and tokens/s")
       ->check(examples::non_negative);
   app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights");
@@ -222,7 +238,8 @@ int main(int argc, char** argv) {
                  "fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table");
+  app.add_flag("--compare", compare, "train 1 rank, then --ranks ranks under every policy, and print a table")
+      ->excludes(policy_opt);
   auto* schedule_opt = app.add_option("--schedule-steps", cfg.schedule_steps,
                                       "the learning-rate schedule's length (warm-up, cosine decay, then its floor); "
                                       "default 600 whatever --steps is (with --epochs: their steps), so that a run "
@@ -289,6 +306,8 @@ int main(int argc, char** argv) {
           "--compare runs 1 rank and then N ranks as threads of one process; start it without mpirun");
 #if defined(TINY_HAVE_CUDA)
     const int gpus = tiny::cuda_device_count();
+    if (const std::string fault = tiny::cuda_fault(); backend.empty() && !fault.empty())
+      std::printf("backend: host (CUDA fails here: %s)\n", fault.c_str());
 #else
     const int gpus = 0;
 #endif
@@ -317,17 +336,20 @@ int main(int argc, char** argv) {
     } else {
       sort.validate();
       std::set<std::vector<int>> seen;
-      const std::size_t train_examples = std::max<std::size_t>(std::size_t(cfg.batch) * cfg.steps, 50000);
-      tiny::Examples train = sort.make(std::min<std::size_t>(train_examples, 200000), cfg.seed, nullptr, &seen);
+      // Not sized by --steps: runs of any length (and a resumed one) draw their batches from the same examples.
+      tiny::Examples train = sort.make(std::size_t(train_examples), cfg.seed, nullptr, &seen);
       tiny::Examples eval = sort.make(std::size_t(eval_examples), cfg.seed + 1000003, &seen);
       task = {"sort " + std::to_string(sort.length) + " distinct numbers below " + std::to_string(sort.values),
               std::move(train), std::move(eval), sort.vocab(), true};
     }
     cfg.model.vocab = task.vocab;
     cfg.model.context = task.train.len;
+    if (task.train.size() < std::size_t(cfg.batch))
+      throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " is larger than the training set (" +
+                                  std::to_string(task.train.size()) + " examples" +
+                                  (text_path.empty() ? "; --train-examples" : "") + ")");
     if (epochs > 0) {
       const std::size_t per_epoch = task.train.size() / std::size_t(cfg.batch);
-      if (per_epoch == 0) throw std::invalid_argument("--batch is larger than the training set");
       // The step counter is an int: a run is at most INT_MAX steps (compared without forming the product).
       const std::size_t most_steps = std::size_t(std::numeric_limits<int>::max());
       if (per_epoch > most_steps / std::size_t(epochs))
@@ -376,21 +398,21 @@ int main(int argc, char** argv) {
     std::printf("\n");
 
     std::vector<Row> rows;
-    auto run = [&](tiny::PolicyKind p, int n) {
-      ProgressReporter progress(std::string(n == 1 ? "1 rank" : tiny::policy_name(p)) +
-                                (n == 1 ? "" : " x" + std::to_string(n)));
+    // A run's label: "1 rank" for --compare's baseline, else the policy's name (also at one rank).
+    auto run = [&](tiny::PolicyKind p, int n, bool baseline) {
+      const std::string label = baseline ? "1 rank" : tiny::policy_name(p);
+      ProgressReporter progress(label + (n == 1 ? "" : " x" + std::to_string(n)));
       progress.tokens_per_step_ = double(cfg.batch) * task.train.len;
 #if defined(TINY_HAVE_CUDA)
       if (cuda) {
 #if defined(TINY_HAVE_MPI)
         if (mpi) {
           tandem::Mpi comm(MPI_COMM_WORLD);
-          rows.push_back({tiny::policy_name(p), n, tiny::train_cuda_mpi(p, comm, cfg, task, std::ref(progress))});
+          rows.push_back({label, n, tiny::train_cuda_mpi(p, comm, cfg, task, std::ref(progress))});
           return;
         }
 #endif
-        rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n,
-                        tiny::train_cuda(p, n, cfg, task, std::ref(progress))});
+        rows.push_back({label, n, tiny::train_cuda(p, n, cfg, task, std::ref(progress))});
         return;
       }
 #endif
@@ -403,27 +425,31 @@ int main(int argc, char** argv) {
 #endif
         return tiny::train_local<Policy>(n, cfg, task, std::ref(progress));
       });
-      rows.push_back({n == 1 && compare ? "1 rank" : tiny::policy_name(p), n, std::move(r)});
+      rows.push_back({label, n, std::move(r)});
     };
 #if defined(TINY_HAVE_MPI)
     if (mpi) std::printf("%s: each process is one rank (tandem::Mpi)\n\n", tandem::detect_launch().describe().c_str());
 #endif
     if (compare) {
-      run(tiny::PolicyKind::replicated, 1);
+      run(tiny::PolicyKind::replicated, 1, true);
       for (tiny::PolicyKind p : {tiny::PolicyKind::replicated, tiny::PolicyKind::optimizer_sharded,
                                  tiny::PolicyKind::gradient_sharded, tiny::PolicyKind::parameter_sharded})
-        run(p, ranks);
+        run(p, ranks, false);
     } else {
-      run(policy, ranks);
+      run(policy, ranks, false);
     }
     print_header();
     for (const Row& row : rows) print_row(row, rows.front().result.seconds);
     if (compare) {
       double worst_accuracy = 0, worst_loss = 0;
+      // (`!(x <= worst)`: a NaN, a run that diverged, is the worst there is and shows as such, where std::max drops it)
+      auto worse = [](double& worst, double x) {
+        if (!(x <= worst) && !std::isnan(worst)) worst = x;
+      };
       for (const Row& row : rows) {
-        worst_accuracy = std::max(worst_accuracy, std::abs(row.result.eval_accuracy - rows[0].result.eval_accuracy));
-        worst_loss = std::max(worst_loss, std::abs(row.result.final_loss - rows[0].result.final_loss) /
-                                              std::abs(rows[0].result.final_loss));
+        worse(worst_accuracy, std::abs(row.result.eval_accuracy - rows[0].result.eval_accuracy));
+        worse(worst_loss,
+              std::abs(row.result.final_loss - rows[0].result.final_loss) / std::abs(rows[0].result.final_loss));
       }
       std::printf("\n%d ranks vs 1: accuracy within %.2f percentage points, final loss within %.1e relative\n", ranks,
                   100.0 * worst_accuracy, worst_loss);

@@ -91,10 +91,10 @@ struct TrainConfig {
 };
 
 struct TrainResult {
-  double seconds = 0;           ///< the training loop's wall time (no set-up, no evaluation, no untimed steps)
-  double tokens = 0;            ///< input tokens trained on, over all ranks
-  double final_loss = 0;        ///< mean training loss of the last (up to) 10 steps, over the global batches
-  double eval_loss = 0;         ///< mean loss over the held-out targets
+  double seconds = 0;     ///< the training loop's wall time (no set-up, evaluation, untimed steps or checkpoint saves)
+  double tokens = 0;      ///< input tokens trained on, over all ranks
+  double final_loss = 0;  ///< mean training loss of the last (up to) 10 steps, over the global batches
+  double eval_loss = 0;   ///< mean loss over the held-out targets
   double eval_accuracy = 0;     ///< held-out accuracy (whole examples or targets, see Task)
   tandem::MemoryReport memory;  ///< bytes per rank, rank 0's memory_report()
   std::vector<float> params;    ///< rank 0's final parameters
@@ -383,14 +383,20 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
 
   const int untimed = std::max(first_step, cfg.untimed_steps);  // validate(): cfg.untimed_steps < cfg.steps
   int clock_step = first_step;                                  // the step the clock started at
+  // The clock: training time only. Checkpoint saves (--save-every; the last --save comes after the clock stops) are
+  // left out, so that tokens/s is the same with and without them.
+  using Clock = std::chrono::steady_clock;
+  Clock::duration saving{};  // spent in saves since the clock started
   dev.synchronize();
   comm.barrier();
-  auto start = std::chrono::steady_clock::now();
+  Clock::time_point start = Clock::now();
+  auto trained = [&] { return std::chrono::duration<double>(Clock::now() - start - saving).count(); };
   for (int step = first_step; step < cfg.steps; ++step) {
     if (step == untimed && step > first_step) {
       dev.synchronize();
       comm.barrier();
-      start = std::chrono::steady_clock::now();
+      start = Clock::now();
+      saving = {};
       clock_step = step;
     }
     dp.optimizer_options().lr = learning_rate(cfg, step);
@@ -416,16 +422,21 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       progress({.step = step + 1,
                 .steps = cfg.steps,
                 .loss = loss,
-                .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                .seconds = trained(),
                 .timed_steps = step + 1 - clock_step});
-    if (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < cfg.steps)
+    if (cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < cfg.steps) {
+      dev.synchronize();  // the steps before it, on every rank, are training time
+      comm.barrier();
+      const Clock::time_point save_start = Clock::now();
       dp.save_checkpoint(cfg.save_dir);  // tandem: every rank writes its shard; the manifest makes it the checkpoint
+      saving += Clock::now() - save_start;
+    }
   }
-  if (!cfg.save_dir.empty()) dp.save_checkpoint(cfg.save_dir);
   dev.synchronize();
   comm.barrier();
   TrainResult result;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.seconds = trained();
+  if (!cfg.save_dir.empty()) dp.save_checkpoint(cfg.save_dir);
   result.tokens = double(std::max(0, cfg.steps - untimed)) * cfg.batch * len;
   result.final_loss = final_loss;
 

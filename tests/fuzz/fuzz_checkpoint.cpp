@@ -1,17 +1,74 @@
 // SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: every checkpoint reader on arbitrary bytes — the earlier single-file format, the sharded format's
-// manifest (JSON) and the safetensors header of its shard files. Anything but a clean tandem::error (a crash, a
-// sanitizer report, another exception, a hang, an allocation past libFuzzer's limit) is a bug. Inputs that parse are
-// checked for internal consistency.
+// manifest (JSON), and the safetensors files of its shards: the input as a header alone, and as a whole file (an 8-byte
+// length, the header, the data) opened from disk by SafetensorsFile, whose tensors are then read back and checked
+// against their checksums. Anything but a clean tandem::error (a crash, a sanitizer report, another exception, a hang,
+// an allocation past libFuzzer's limit) is a bug. Inputs that parse are checked for internal consistency.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/safetensors.hpp"
+
+namespace {
+
+// Each parsed tensor as the format requires, found by its name; returns where the last one's data ends.
+std::uint64_t check_tensors(const tandem::SafetensorsHeader& h) {
+  std::uint64_t end = 0;
+  for (const auto& t : h.tensors) {
+    std::uint64_t count = 1;  // (the parser bounds the product below 2^60)
+    for (const std::uint64_t d : t.shape) count *= d;
+    if (t.end < t.begin || t.end - t.begin != count * tandem::dtype_size(t.dtype) || t.count() != count) std::abort();
+    if (h.find(t.name) != &t) std::abort();  // each name found, as itself
+    end = std::max(end, t.end);
+  }
+  return end;
+}
+
+// The input as a file on disk, opened and read as a checkpoint's shard is: every tensor's data read back in pieces and
+// checked against its checksum (a mismatch is a clean error, as in verify_checkpoint).
+void whole_file(const std::uint8_t* data, std::size_t size) {
+  static const struct Scratch {  // one file per process, removed at exit
+    std::string path =
+        (std::filesystem::temp_directory_path() / ("fuzz_checkpoint." + std::to_string(::getpid()) + ".safetensors"))
+            .string();
+    ~Scratch() { std::remove(path.c_str()); }
+  } scratch;
+  const std::string& path = scratch.path;
+  if (std::FILE* f = std::fopen(path.c_str(), "wb")) {
+    const bool written = std::fwrite(data, 1, size, f) == size;
+    if (std::fclose(f) != 0 || !written) return;
+  } else {
+    return;
+  }
+  try {
+    const tandem::SafetensorsFile file(path);
+    std::uint64_t data_bytes = 0;
+    for (const auto& t : file.tensors()) data_bytes = std::max(data_bytes, t.end);
+    if (data_bytes > file.size()) std::abort();  // (the file holds what it names)
+    std::vector<unsigned char> piece(4096);
+    for (const auto& t : file.tensors()) {
+      std::uint32_t crc = 0;
+      for (std::uint64_t at = t.begin; at < t.end; at += piece.size()) {
+        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.end - at));
+        file.read(at, piece.data(), n);
+        crc = tandem::detail::crc32c(piece.data(), n, crc);
+      }
+      if (t.has_crc && crc != t.crc) file.corrupt("checksum mismatch");
+    }
+  } catch (const tandem::error&) {
+  }
+}
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::vector<unsigned char> bytes(data, data + size);
@@ -39,18 +96,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const tandem::error&) {
   }
   try {
-    // The data section as long as the tensors say it is, when they say anything plausible.
+    // The input as a header alone, its data section as long as the input.
     const tandem::SafetensorsHeader h = tandem::parse_safetensors_header(text, size, "fuzz input");
-    std::uint64_t end = 0;
-    for (const auto& t : h.tensors) {
-      std::uint64_t count = 1;  // (the parser bounds the product below 2^60)
-      for (const std::uint64_t d : t.shape) count *= d;
-      if (t.end < t.begin || t.end - t.begin != count * tandem::dtype_size(t.dtype) || t.count() != count) std::abort();
-      if (h.find(t.name) != &t) std::abort();  // each name found, as itself
-      end = std::max(end, t.end);
-    }
-    if (end != size) std::abort();
+    if (check_tensors(h) != size) std::abort();
   } catch (const tandem::error&) {
   }
+  // The input as a whole file: first as the bytes it holds (the header its length prefix names, the data after it),
+  // then opened from disk.
+  std::uint64_t n = 0;
+  for (std::size_t k = 0; k < 8 && k < size; ++k) n |= std::uint64_t{data[k]} << (8 * k);
+  if (size >= 8 && n <= size - 8) try {
+      const std::uint64_t data_bytes = size - 8 - n;
+      const tandem::SafetensorsHeader h =
+          tandem::parse_safetensors_header(std::string_view(text).substr(8, n), data_bytes, "fuzz file");
+      if (check_tensors(h) != data_bytes) std::abort();
+    } catch (const tandem::error&) {
+    }
+  whole_file(data, size);
   return 0;
 }

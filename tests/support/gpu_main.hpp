@@ -116,9 +116,16 @@ int main(int argc, char** argv) {
     if (arg.starts_with("dt-")) arg.remove_prefix(3);
     listing = listing || arg.starts_with('l');
   }
-  if (!listing && tandem::visible_cuda_devices() == 0) {
-    std::printf("no CUDA device: this test's gpu cases are skipped\n");
-    return 77;
+  if (!listing) {
+    // Skipped only where there is no GPU: a driver that fails (older than the runtime, say) fails every case.
+    if (const std::string fault = tandem::cuda_device_fault(); !fault.empty()) {
+      std::printf("FAILED: CUDA cannot count this machine's devices: %s\n", fault.c_str());
+      return 1;
+    }
+    if (tandem::visible_cuda_devices() == 0) {
+      std::printf("no CUDA device: this test's gpu cases are skipped\n");
+      return 77;
+    }
   }
   doctest::Context context(argc, argv);
   const int rc = context.run();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace test {
@@ -31,16 +32,21 @@ Params as_float(const std::vector<std::vector<T>>& p) {
   return out;
 }
 
-/// The largest over tensors of ‖a − ref‖ / ‖ref‖.
+/// The largest over tensors of ‖a − ref‖ / ‖ref‖ (‖a − ref‖ where ref is zero). Infinite, so that no tolerance passes
+/// it, where the two differ in shape or either holds a value that is not finite (a run that trained to NaN).
 inline double max_relative_error(const Params& a, const Params& ref) {
+  constexpr double never = std::numeric_limits<double>::infinity();
+  if (a.size() != ref.size()) return never;
   double worst = 0;
   for (std::size_t i = 0; i < ref.size(); ++i) {
+    if (a[i].size() != ref[i].size()) return never;
     double d = 0, r = 0;
     for (std::size_t e = 0; e < ref[i].size(); ++e) {
-      d += double(a[i][e] - ref[i][e]) * double(a[i][e] - ref[i][e]);
+      if (!std::isfinite(a[i][e]) || !std::isfinite(ref[i][e])) return never;
+      d += (double{a[i][e]} - ref[i][e]) * (double{a[i][e]} - ref[i][e]);
       r += double{ref[i][e]} * ref[i][e];
     }
-    worst = std::max(worst, std::sqrt(d / r));
+    worst = std::max(worst, r > 0 ? std::sqrt(d / r) : std::sqrt(d));
   }
   return worst;
 }

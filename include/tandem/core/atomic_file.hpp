@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,34 @@ namespace tandem::detail {
 inline std::size_t& checkpoint_fault_after_bytes() {
   static thread_local std::size_t bytes = 0;
   return bytes;
+}
+
+/// Creates directory `dir` and its missing parents (as std::filesystem::create_directories), and makes each new
+/// entry durable by flushing the directory that holds it: a file committed into `dir` then survives a power loss
+/// with the directory itself. Throws tandem::error naming what failed.
+TANDEM_COLD inline void create_directories_durably(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> missing;  // from `dir` up to its first existing ancestor
+  std::error_code ec;
+  fs::path start = fs::path(dir).lexically_normal();
+  if (!start.has_filename()) start = start.parent_path();  // ("a/b/": "a/b")
+  for (fs::path p = start; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (!fs::create_directory(*it, ec) && ec)
+      fail("tandem: cannot create the directory `" + it->string() + "`: " + ec.message());
+    const fs::path parent = it->has_parent_path() ? it->parent_path() : fs::path(".");
+    const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || ::fsync(fd) != 0) {
+      const int e = errno;
+      if (fd >= 0) ::close(fd);
+      fail("tandem: cannot flush the directory `" + parent.string() + "` after creating `" + it->string() +
+           "`: " + std::strerror(e));
+    }
+    ::close(fd);
+  }
 }
 
 /// A temporary name beside `path` that no other writer uses.

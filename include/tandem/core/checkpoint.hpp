@@ -20,10 +20,12 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -260,11 +262,27 @@ inline CheckpointData parse_checkpoint(const std::vector<unsigned char>& data, c
   return c;
 }
 
-/// Reads and verifies the checkpoint at `path` (parse_checkpoint).
+/// Reads and verifies the checkpoint at `path` (parse_checkpoint). A file of another format is refused by its first
+/// bytes, before the rest is read: a safetensors file (a model's weights, a consolidated checkpoint) says so.
 inline CheckpointData read_checkpoint(const std::string& path) {
-  std::vector<unsigned char> data;
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) detail::fail("tandem: cannot open the checkpoint `" + path + "`: " + std::strerror(errno));
+  std::vector<unsigned char> data(9);
+  data.resize(std::fread(data.data(), 1, data.size(), f));
+  if (data.size() < 8 || std::memcmp(data.data(), detail::checkpoint_magic, 8) != 0) {
+    std::fclose(f);
+    std::uint64_t header = 0;  // a safetensors file: a little-endian header length, then the header's '{'
+    for (std::size_t k = 0; k < 8 && k < data.size(); ++k) header |= std::uint64_t{data[k]} << (8 * k);
+    if (data.size() == 9 && data[8] == '{' && header >= 2)
+      detail::fail("tandem: `" + path +
+                   "` is a safetensors file, not a tandem checkpoint: load a checkpoint's directory, or make one of "
+                   "this file's tensors with `tandem_checkpoint import` (tandem::import_parameters)");
+    data.resize(std::min<std::size_t>(data.size(), 8));
+    return parse_checkpoint(data, path);  // says which: too short, or not a tandem checkpoint
+  }
+  std::error_code ec;
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (!ec) data.reserve(static_cast<std::size_t>(size));
   unsigned char buffer[1 << 16];
   for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, f)) > 0;) data.insert(data.end(), buffer, buffer + n);
   const bool bad = std::ferror(f);

@@ -99,9 +99,54 @@ inline std::string quote(std::string_view s) {
 /// A cursor over JSON text. document() parses it whole into a Value; a reader that knows what it expects (a safetensors
 /// header of tens of thousands of entries) walks it instead, member by member, building nothing it does not keep:
 ///   p.object([&](std::string_view name) { ... consume the member's value: p.string(), p.number(), p.object(...) });
+/// The length of the longest prefix of `s` that is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates,
+/// nothing past U+10FFFF): s.size() where all of it is.
+inline std::size_t utf8_prefix(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  std::size_t i = 0;
+  while (i < n) {
+    for (std::uint64_t w; i + 8 <= n; i += 8) {  // ASCII, 8 bytes at a time
+      std::memcpy(&w, p + i, 8);
+      if ((w & 0x8080808080808080ull) != 0) break;
+    }
+    if (i == n) break;
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range (narrower after E0, ED, F0, F4)
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // not overlong
+      if (c == 0xED) hi = 0x9F;  // no surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // not overlong
+      if (c == 0xF4) hi = 0x8F;  // not past U+10FFFF
+    } else {
+      return i;
+    }
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return i;
+    for (std::size_t k = 2; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+    i += len;
+  }
+  return n;
+}
+
 class Parser {
  public:
-  Parser(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
+  /// Throws at once where `text` is not UTF-8 (as RFC 8259 asks, and the reference safetensors reader checks).
+  Parser(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {
+    at_ = utf8_prefix(text);
+    if (at_ != text.size()) bad("a byte that is not part of UTF-8");
+    at_ = 0;
+  }
 
   Value document() {
     Value v = value(0);

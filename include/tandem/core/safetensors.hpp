@@ -8,13 +8,15 @@
 //
 // SafetensorsWriter streams a file of 1-D tensors declared up front, in bounded memory, and records every tensor's
 // CRC-32C in one metadata value (`crc32c`: 8 hex digits per tensor, in the order of their data, so the header's length
-// is known before the data and the digits are written in place at commit; the header's own CRC then covers the file);
+// is known before the data and the digits are written in place at commit; the header's own CRC then covers the file),
+// beside `tandem_checksums: crc32c`, which says the checksums are tandem's;
 // SafetensorsFile reads a header (as a stream: no JSON document is built; entries in the form the writers write are
 // matched byte for byte, any other form parsed in full; each tensor's name and shape are views of the header, which
 // keeps its text and one array of dimensions, so nothing is allocated per tensor), validates it as the reference
-// implementation does, finds tensors by name through a hash index, and reads ranges. Files of the earlier form (a
-// `crc32c/<name>` key per tensor) read the same. Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are
-// refused by name.
+// implementation does, finds tensors by name through a hash index, and reads ranges. Files of the earlier forms (no
+// `tandem_checksums`, which tandem's shards and consolidated files say by `format: tandem-checkpoint-shard` or a
+// `tandem_step`; a `crc32c/<name>` key per tensor) read the same; in any other file those keys are its own metadata.
+// Only F32, BF16, F16 and F64 tensors are tandem's; other dtypes are refused by name.
 #pragma once
 
 #include <fcntl.h>
@@ -78,17 +80,32 @@ struct SafetensorsSummary {
 
 namespace detail {
 
-/// The largest header tandem reads (the reference implementation's limit).
-inline constexpr std::uint64_t safetensors_max_header = std::uint64_t{100} << 20;
+/// The metadata key by which a file says that its `crc32c` value is tandem's checksums (its value: "crc32c").
+inline constexpr std::string_view safetensors_checksums_key = "tandem_checksums";
 
-/// That a file of `entries` can name each apart: no two share a name, and none is `__metadata__` (the header's key for
-/// the file's metadata). Throws tandem::error saying that `what` would hold them, then `advice`.
+/// The largest header tandem reads and writes: the reference implementation's limit (100,000,000 bytes, not 100 MiB).
+inline constexpr std::uint64_t safetensors_max_header = 100'000'000;
+
+/// That text `s` is UTF-8, as a safetensors header must be; else throws tandem::error saying that `what` would hold
+/// it (the part before the first byte that is not), then `advice`.
+TANDEM_COLD inline void check_utf8(std::string_view s, const std::string& what, const std::string& advice = "") {
+  const std::size_t valid = json::utf8_prefix(s);
+  if (valid != s.size())
+    fail("tandem: " + what +
+         naming(" that is not UTF-8 from byte " + std::to_string(valid) + " on (", s.substr(0, valid), " before it)") +
+         advice);
+}
+
+/// That a file of `entries` can name each apart: no two share a name, none is `__metadata__` (the header's key for
+/// the file's metadata), and each is UTF-8. Throws tandem::error saying that `what` would hold them, then `advice`.
 TANDEM_COLD inline void check_entry_names(const std::vector<SafetensorsEntry>& entries, const std::string& what,
                                           const std::string& advice = "") {
-  for (const SafetensorsEntry& e : entries)
+  for (const SafetensorsEntry& e : entries) {
     if (e.name == "__metadata__")
       fail("tandem: " + what +
            " would hold a tensor named `__metadata__`, the safetensors header's key for its metadata" + advice);
+    check_utf8(e.name, what + " would hold a tensor name", advice);
+  }
   NameIndex names;
   const std::size_t repeated =
       names.build(entries.size(), [&](std::size_t k) -> std::string_view { return entries[k].name; });
@@ -105,15 +122,18 @@ class SafetensorsWriter {
                     std::vector<std::pair<std::string, std::string>> metadata, std::string what)
       : file_(std::move(path), what), entries_(std::move(entries)), metadata_(std::move(metadata)) {
     detail::check_entry_names(entries_, what);
-    for (const auto& [k, v] : metadata_)
-      if (k == "crc32c" || k.starts_with("crc32c/"))
+    for (const auto& [k, v] : metadata_) {
+      if (k == "crc32c" || k.starts_with("crc32c/") || k == detail::safetensors_checksums_key)
         detail::fail("tandem: " + what + " cannot take metadata `" + k + "`: the writer records the checksums there");
+      detail::check_utf8(k, what + " would hold a metadata key");
+      detail::check_utf8(v, what + " would hold a metadata value");
+    }
     crcs_.assign(entries_.size(), 0);
     header_ = header();  // (the checksums' digits zero until commit)
     const std::uint64_t n = header_.size();
     if (n > detail::safetensors_max_header)  // what is written can be read: the readers' limit, checked here too
       detail::fail("tandem: " + what + " would have a header of " + std::to_string(n) +
-                   " bytes, over the 100 MiB that safetensors readers (tandem's, and the reference implementation) "
+                   " bytes, over the 100,000,000 that safetensors readers (tandem's, and the reference implementation) "
                    "accept: fewer or shorter tensor names");
     std::uint64_t total = 8 + n;
     for (std::size_t i = 0; i < entries_.size(); ++i) total += bytes(i);
@@ -216,7 +236,8 @@ class SafetensorsWriter {
       quote_into(h, v);
       h += ',';
     }
-    h += "\"crc32c\":\"";
+    quote_into(h, detail::safetensors_checksums_key);
+    h += ":\"crc32c\",\"crc32c\":\"";
     crcs_at_ = h.size();
     h.append(8 * entries_.size(), '0');
     h += '"';
@@ -341,11 +362,15 @@ inline bool safetensors_entry_as_written(json::Parser& p, SafetensorsTensor& t, 
   };
   if (!p.take("{\"dtype\":\"")) return undo();
   bool known = false;
-  for (const DType d : {DType::fp32, DType::bf16, DType::fp16, DType::fp64})
-    if (!known && p.take(safetensors_dtype(d)) && p.take("\"")) {
+  const std::size_t dtype_at = p.position();
+  for (const DType d : {DType::fp32, DType::bf16, DType::fp16, DType::fp64}) {
+    if (p.take(safetensors_dtype(d)) && p.take("\"")) {  // the whole name: "F32F64" is no dtype
       t.dtype = d;
       known = true;
+      break;
     }
+    p.rewind(dtype_at);
+  }
   if (!known || !p.take(",\"shape\":[")) return undo();
   if (!p.take("]")) {
     do {
@@ -434,10 +459,11 @@ inline SafetensorsTensor safetensors_tensor(std::string_view name, json::Parser&
 
 /// Parses and validates a safetensors header (the JSON text) for a data section of `data_bytes`, as the reference
 /// implementation does: an object; __metadata__ of strings; each tensor's dtype, shape and offsets consistent; the
-/// tensors contiguous in offset order, covering the data exactly; no name twice. The CRC-32Cs the metadata records
-/// (`crc32c`: 8 hex digits per tensor in the order of their data; or, as earlier files have them, `crc32c/<name>`) are
-/// parsed into the tensors. `path` names the file in errors. Read as a stream (no document is built); the header keeps
-/// a copy of the text.
+/// tensors contiguous in offset order, covering the data exactly; no name twice. The CRC-32Cs the metadata of a file
+/// of tandem's records (`crc32c`: 8 hex digits per tensor in the order of their data; or, as earlier files have them,
+/// `crc32c/<name>`) are parsed into the tensors; in a file that is not tandem's (no `tandem_checksums: crc32c`,
+/// `format: tandem-checkpoint-shard` or `tandem_step`) such keys are metadata like any other. `path` names the file in
+/// errors. Read as a stream (no document is built); the header keeps a copy of the text.
 inline SafetensorsHeader parse_safetensors_header(std::string_view text, std::uint64_t data_bytes,
                                                   const std::string& path) {
   return SafetensorsHeader::parse(
@@ -498,6 +524,18 @@ inline void SafetensorsHeader::parse_text(std::uint64_t data_bytes, const std::s
     });
   });
   p.finish();
+  // Checksums only where the file says it is tandem's: another writer's `crc32c` (a whole file's, say) is metadata.
+  const std::string* marker = find_metadata(detail::safetensors_checksums_key);
+  const std::string* format = find_metadata("format");
+  const bool tandems = (marker != nullptr && *marker == "crc32c") ||
+                       (format != nullptr && *format == "tandem-checkpoint-shard") ||
+                       find_metadata("tandem_step") != nullptr;
+  if (!tandems) {
+    if (has_crcs) metadata.emplace_back(crc_key, crcs);
+    for (auto& [name, v] : named_crcs) metadata.emplace_back(std::string(name_crc_key) + name, std::move(v));
+    has_crcs = false;
+    named_crcs.clear();
+  }
   for (std::size_t k = 0, at = 0; k < tensors.size(); at += ranks[k++])
     tensors[k].shape = {dims_.data() + at, ranks[k]};
   // The tensors in the order of their data: the header's order where that is it (as the writers write them).
@@ -628,7 +666,8 @@ class SafetensorsFile {
     std::uint64_t n = 0;
     data_begin_ = 0;
     read(0, &n, 8);
-    if (n > detail::safetensors_max_header) corrupt("its header length " + std::to_string(n) + " is over 100 MiB");
+    if (n > detail::safetensors_max_header)
+      corrupt("its header length " + std::to_string(n) + " is over 100,000,000 bytes");
     if (n > size_ - 8) corrupt("its header is longer than the file (truncated?)");
     header_ = SafetensorsHeader::parse(
         static_cast<std::size_t>(n),

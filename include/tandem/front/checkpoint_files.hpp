@@ -164,17 +164,21 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
     m.tensors.push_back({std::string(t.name), static_cast<std::size_t>(t.count()), t.dtype});
     entries.push_back({std::string(t.name), t.dtype, t.count()});
   }
-  std::filesystem::create_directories(dir);
+  detail::create_directories_durably(dir);
   const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";
   SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", "tandem-checkpoint-shard"}},
                            "the imported parameters");
   std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
-  for (const SafetensorsFile::Tensor& t : file.tensors())  // in the header's order, as the writer declared them
+  for (const SafetensorsFile::Tensor& t : file.tensors()) {  // in the header's order, as the writer declared them
+    std::uint32_t crc = 0;  // where the file records the tensor's checksum (tandem's files do), checked as it is read
     for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
       file.read(at, chunk.data(), n);
+      if (t.has_crc) crc = detail::crc32c(chunk.data(), n, crc);
       writer.data(chunk.data(), n);
     }
+    if (t.has_crc && crc != t.crc) detail::checksum_mismatch(file, t.name, crc, t.crc);
+  }
   const SafetensorsSummary s = writer.commit();
   m.files.push_back({name, s.bytes, s.header_crc});
   detail::commit_manifest(dir, m);

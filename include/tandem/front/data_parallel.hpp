@@ -423,9 +423,9 @@ class DataParallel {
     }
     std::uint64_t id = 0;
     try {
-      if (problem.empty()) std::filesystem::create_directories(dir);
+      if (problem.empty()) detail::create_directories_durably(dir);
     } catch (const std::exception& e) {
-      problem = "tandem: save_checkpoint: cannot create the directory `" + dir + "`: " + e.what();
+      problem = detail::problem_of(e, "creating the directory `" + dir + "`");  // (the error names it)
     }
     if (rank_ == 0 && problem.empty()) try {
         detail::check_replaceable(dir, layout_.tensors());
@@ -447,7 +447,7 @@ class DataParallel {
       }
     } orphan{file};
     try {
-      mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, file);
+      mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, step_, file);
     } catch (const std::exception& e) {
       problem = detail::problem_of(e, "writing the checkpoint shard `" + file + "`");
     }

@@ -2,7 +2,8 @@
 // TANDEM_CUDA_CHECK(call): evaluates a CUDA runtime call once; on failure resets CUDA's last error (cudaGetLastError:
 // an error that is not sticky; a sticky one, a kernel's illegal address say, stays with the context and every later
 // call returns it) and throws tandem::cuda_error carrying the status, its name, the call text, file:line and the rank.
-// visible_cuda_devices(): how many GPUs this process may use, 0 without a driver or device (not an error).
+// visible_cuda_devices(): how many GPUs this process may use, 0 without a driver or device (not an error);
+// cuda_device_fault(): why a machine with a driver can use none (a driver older than the runtime, say), "" otherwise.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,6 +44,24 @@ inline int visible_cuda_devices() noexcept {
     return 0;
   }
   return n;
+}
+
+/// Where visible_cuda_devices() is 0 although a CUDA driver is installed, why: the error counting the devices gave
+/// ("cudaErrorInsufficientDriver: ... (driver API 12.4, runtime 13.0)"), a fault to report rather than the absence of
+/// a GPU. "" where devices are visible, where none exists (cudaErrorNoDevice) and where no driver is installed.
+inline std::string cuda_device_fault() {
+  int n = 0;
+  const cudaError_t status = cudaGetDeviceCount(&n);
+  (void)cudaGetLastError();
+  if (status == cudaSuccess || status == cudaErrorNoDevice) return "";
+  int driver = 0, runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+  (void)cudaGetLastError();
+  if (driver == 0) return "";  // no driver: a machine without a GPU
+  const auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+  return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status) + " (driver API " +
+         version(driver) + ", runtime " + version(runtime) + ")";
 }
 
 }  // namespace tandem

@@ -217,20 +217,24 @@ unsigned char* slice_source(const TrainingState<Backend>& state, const Plan& pla
 }
 
 /// Writes rank `rank`'s shard of every array (shard `rank` of every bucket) to `path`, streamed through one host
-/// chunk, as a safetensors file; returns its size and data checksum. Local: no collective.
+/// chunk, as a safetensors file whose metadata records the step (which the manifest's record of the header's checksum
+/// then covers: ShardedCheckpoint holds the manifest's step to it); returns its size and data checksum. Local: no
+/// collective.
 template <Policy P, class Backend>
 TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& plan, const Layout& layout,
                                            const TrainingState<Backend>& state, DType param_dtype, int rank, int world,
-                                           const std::string& path) {
+                                           std::uint64_t step, const std::string& path) {
   const std::vector<CheckpointArray> arrays = checkpoint_arrays(param_dtype, state.state_count());
   const std::vector<Slice> slices = shard_slices(plan, rank);
   std::vector<SafetensorsEntry> entries = shard_entries(layout, arrays, slices);
   std::size_t largest = 0;
   for (const SafetensorsEntry& e : entries) largest = std::max<std::size_t>(largest, e.count * dtype_size(e.dtype));
-  SafetensorsWriter out(
-      path, std::move(entries),
-      {{"format", "tandem-checkpoint-shard"}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}},
-      "the checkpoint shard");
+  SafetensorsWriter out(path, std::move(entries),
+                        {{"format", "tandem-checkpoint-shard"},
+                         {"rank", std::to_string(rank)},
+                         {"world_size", std::to_string(world)},
+                         {"step", std::to_string(step)}},
+                        "the checkpoint shard");
   const std::size_t psize = dtype_size(param_dtype);
   // Host memory is written from where it is (the host backend has nothing queued, and nothing writes the state before
   // commit); other memory through one chunk.
@@ -254,6 +258,13 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
 
 /// The most files of a checkpoint a ShardedCheckpoint of this thread keeps open at once: 64 (a fraction of the usual
 /// limit of 1024 descriptors a process); tests lower it.
+/// Throws tandem::error: file `f`'s tensor (or slice) `name` has data of CRC-32C `crc`, where `expected` is recorded.
+[[noreturn]] TANDEM_COLD inline void checksum_mismatch(const SafetensorsFile& f, std::string_view name,
+                                                       std::uint32_t crc, std::uint32_t expected) {
+  f.corrupt(naming("the checksum of ", name, " does not match its data (") + hex8(crc) + ", recorded " +
+            hex8(expected) + ")");
+}
+
 inline std::size_t& checkpoint_max_open_files() {
   static thread_local std::size_t files = 64;
   return files;
@@ -332,7 +343,7 @@ class ShardedCheckpoint {
     bytes_read_ += run.file_end - run.file_begin;
     for (const SafetensorsFile::Tensor* t : run.slices) {
       const std::uint32_t crc = crc32c(run.to + (t->begin - run.file_begin), t->end - t->begin);
-      if (crc != t->crc) mismatch(f, t->name, crc, t->crc);
+      if (crc != t->crc) checksum_mismatch(f, t->name, crc, t->crc);
     }
   }
 
@@ -351,12 +362,6 @@ class ShardedCheckpoint {
   static constexpr std::uint64_t direct_piece_bytes = std::uint64_t{1} << 20;
 
   static unsigned char* no_direct(std::size_t, std::size_t) { return nullptr; }
-
-  [[noreturn]] static void mismatch(const SafetensorsFile& f, std::string_view name, std::uint32_t crc,
-                                    std::uint32_t expected) {
-    f.corrupt(naming("the checksum of ", name, " does not match its data (") + hex8(crc) + ", recorded " +
-              hex8(expected) + ")");
-  }
 
   /// The saved slices of tensor `tensor`'s array `a` that overlap elements [lo, hi), in order: each is opened and its
   /// entry checked; with a chunk, it is read whole (for its checksum): into direct(begin, end) where that gives memory
@@ -419,7 +424,7 @@ class ShardedCheckpoint {
         // byte c0 of the slice is element begin + c0 / size: (begin - lo) * size + c0 bytes from element lo
         if (c0 < c1) sink(chunk->data() + (c0 - at), static_cast<std::size_t>(c1 - c0), c0 + begin * size - lo * size);
       }
-      if (crc != expected) mismatch(f, t->name, crc, expected);
+      if (crc != expected) checksum_mismatch(f, t->name, crc, expected);
     };
     if (manifest_.parameters_only) {
       piece(0, 0, spec.numel);
@@ -456,6 +461,11 @@ class ShardedCheckpoint {
       most_open_ = std::max(most_open_, ++open_);
       if (files_[file]->header_crc() != m.header_crc)
         files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
+      // The step, which the manifest alone records in files saved before shards recorded it too.
+      if (const std::string* step = files_[file]->metadata("step");
+          step != nullptr && *step != std::to_string(manifest_.step))
+        files_[file]->corrupt("it records step " + *step + " where the checkpoint's manifest says " +
+                              std::to_string(manifest_.step) + " (a damaged manifest?)");
     }
     return *files_[file];
   }
