@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/temp_path.hpp"
 #include "tandem/core/atomic_file.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
@@ -257,11 +258,9 @@ TEST_CASE("safetensors: a file the disk has no room for fails before anything is
     std::filesystem::remove(path);
   }
 #endif
-  if (!reserves) {
-    MESSAGE("skipped: the file system of " << std::filesystem::path(path).parent_path().string()
-                                           << " does not reserve space ahead (no fallocate)");
-    return;
-  }
+  if (!reserves)
+    test::skip_case("the file system of " + std::filesystem::path(path).parent_path().string() +
+                    " does not reserve space ahead (no fallocate)");
   // 2^48 fp32 elements, 1 PiB: past ext4's largest file and any disk's free space.
   const auto write = [&] {
     tandem::SafetensorsWriter w(path, {{"huge", tandem::DType::fp32, std::uint64_t{1} << 48}}, {}, "the test file");

@@ -60,8 +60,8 @@ inline std::string cuda_device_fault() {
   (void)cudaGetLastError();
   if (driver == 0) return "";  // no driver: a machine without a GPU
   const auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
-  return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status) + " (driver API " +
-         version(driver) + ", runtime " + version(runtime) + ")";
+  return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status) + " (driver API " + version(driver) +
+         ", runtime " + version(runtime) + ")";
 }
 
 }  // namespace tandem
