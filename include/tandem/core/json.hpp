@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The JSON tandem reads and writes: safetensors headers and checkpoint manifests. A small strict parser (RFC 8259:
-// objects, arrays, strings with every escape, numbers, true/false/null; nesting at most 64 deep), which keeps
-// non-negative integers exact up to 2^64 - 1 (byte offsets), and a string quoter for writing. Any malformed input is a
-// tandem::error naming the byte where it went wrong.
+// UTF-8 text; objects, arrays, strings with every escape, numbers, true/false/null; nesting at most 64 deep), which
+// keeps non-negative integers exact up to 2^64 - 1 (byte offsets), and a string quoter for writing. Any malformed input
+// is a tandem::error naming the byte where it went wrong.
 #pragma once
 
 #include <cstddef>
@@ -96,9 +96,6 @@ inline std::string quote(std::string_view s) {
   return out;
 }
 
-/// A cursor over JSON text. document() parses it whole into a Value; a reader that knows what it expects (a safetensors
-/// header of tens of thousands of entries) walks it instead, member by member, building nothing it does not keep:
-///   p.object([&](std::string_view name) { ... consume the member's value: p.string(), p.number(), p.object(...) });
 /// The length of the longest prefix of `s` that is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates,
 /// nothing past U+10FFFF): s.size() where all of it is.
 inline std::size_t utf8_prefix(std::string_view s) {
@@ -139,6 +136,9 @@ inline std::size_t utf8_prefix(std::string_view s) {
   return n;
 }
 
+/// A cursor over JSON text. document() parses it whole into a Value; a reader that knows what it expects (a safetensors
+/// header of tens of thousands of entries) walks it instead, member by member, building nothing it does not keep:
+///   p.object([&](std::string_view name) { ... consume the member's value: p.string(), p.number(), p.object(...) });
 class Parser {
  public:
   /// Throws at once where `text` is not UTF-8 (as RFC 8259 asks, and the reference safetensors reader checks).
