@@ -82,6 +82,10 @@ namespace detail {
 
 /// The metadata key by which a file says that its `crc32c` value is tandem's checksums (its value: "crc32c").
 inline constexpr std::string_view safetensors_checksums_key = "tandem_checksums";
+/// The `format` of tandem's shard and imported files, and the key of a consolidated file's step: also the marks of
+/// tandem's files written before safetensors_checksums_key, whose `crc32c` is tandem's too.
+inline constexpr const char* safetensors_shard_format = "tandem-checkpoint-shard";
+inline constexpr const char* safetensors_step_key = "tandem_step";
 
 /// The largest header tandem reads and writes: the reference implementation's limit (100,000,000 bytes, not 100 MiB).
 inline constexpr std::uint64_t safetensors_max_header = 100'000'000;
@@ -528,8 +532,8 @@ inline void SafetensorsHeader::parse_text(std::uint64_t data_bytes, const std::s
   const std::string* marker = find_metadata(detail::safetensors_checksums_key);
   const std::string* format = find_metadata("format");
   const bool tandems = (marker != nullptr && *marker == "crc32c") ||
-                       (format != nullptr && *format == "tandem-checkpoint-shard") ||
-                       find_metadata("tandem_step") != nullptr;
+                       (format != nullptr && *format == detail::safetensors_shard_format) ||
+                       find_metadata(detail::safetensors_step_key) != nullptr;
   if (!tandems) {
     if (has_crcs) metadata.emplace_back(crc_key, crcs);
     for (auto& [name, v] : named_crcs) metadata.emplace_back(std::string(name_crc_key) + name, std::move(v));

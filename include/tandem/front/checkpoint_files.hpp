@@ -108,7 +108,7 @@ TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, 
   if (which == Arrays::parameters) arrays.resize(1);
   SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays),
                            {{"format", "pt"},
-                            {"tandem_step", std::to_string(m.step)},
+                            {detail::safetensors_step_key, std::to_string(m.step)},
                             {"tandem_policy", m.policy},
                             {"tandem_optimizer", m.optimizer}},
                            "the consolidated file");
@@ -166,7 +166,7 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
   }
   detail::create_directories_durably(dir);
   const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";
-  SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", "tandem-checkpoint-shard"}},
+  SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", detail::safetensors_shard_format}},
                            "the imported parameters");
   std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
   for (const SafetensorsFile::Tensor& t : file.tensors()) {  // in the header's order, as the writer declared them

@@ -230,7 +230,7 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
   std::size_t largest = 0;
   for (const SafetensorsEntry& e : entries) largest = std::max<std::size_t>(largest, e.count * dtype_size(e.dtype));
   SafetensorsWriter out(path, std::move(entries),
-                        {{"format", "tandem-checkpoint-shard"},
+                        {{"format", safetensors_shard_format},
                          {"rank", std::to_string(rank)},
                          {"world_size", std::to_string(world)},
                          {"step", std::to_string(step)}},
