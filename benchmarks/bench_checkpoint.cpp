@@ -233,7 +233,10 @@ void BM_checkpoint(benchmark::State& state, const char* layout, bool save) {
       comm.barrier();
       const std::size_t before = allocated.load();
       const auto t0 = std::chrono::steady_clock::now();
-      save ? dp.save_checkpoint(dir) : dp.load_checkpoint(dir);
+      if (save)
+        dp.save_checkpoint(dir);
+      else
+        dp.load_checkpoint(dir);
       comm.barrier();
       if (comm.rank() == 0) {
         ours = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -2,7 +2,8 @@
 // tandem_checkpoint: a sharded checkpoint (the directory DataParallel::save_checkpoint writes) outside a training run;
 // the command line of front/checkpoint_files.hpp.
 //
-//   tandem_checkpoint verify DIR                    read every byte of every file and check it against its checksum
+//   tandem_checkpoint verify DIR                    read every byte of every file and check it against its checksum;
+//                                                   print the program's metadata (save_checkpoint's), a key a line
 //   tandem_checkpoint consolidate DIR OUT [--all]   the parameters as whole tensors in one safetensors file (--all:
 //                                                   with the master weights and optimizer state), for inference or
 //                                                   PyTorch
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/core/json.hpp"
 #include "tandem/front/checkpoint_files.hpp"
 
 int main(int argc, char** argv) {
@@ -30,6 +32,9 @@ int main(int argc, char** argv) {
                   args[1].c_str(), static_cast<unsigned long long>(m.step), m.policy.c_str(), m.world_size,
                   m.tensors.size(), tandem::dtype_name(m.param_dtype), m.parameters_only ? " (parameters only)" : "",
                   m.files.size(), static_cast<unsigned long long>(s.bytes));
+      for (const auto& [key, value] : m.metadata)  // the program's records, as JSON strings (any text prints)
+        std::printf("  metadata %s: %s\n", tandem::detail::json::quote(key).c_str(),
+                    tandem::detail::json::quote(value).c_str());
       return 0;
     }
     if ((args.size() == 3 || (args.size() == 4 && args[3] == "--all")) && args[0] == "consolidate") {

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -228,8 +229,10 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
        "does not match its data", true},
       {"no manifest", [&](const std::string& d) { std::filesystem::remove(d + "/manifest.json"); },
        "has no manifest.json", false},
-      {"a manifest that is not JSON",
-       [&](const std::string& d) { edit(d + "/manifest.json", [](auto& b) { b[b.size() / 2] = '}'; }); },
+      {"a manifest that is not JSON",  // (a member name's opening quote made a brace)
+       [&](const std::string& d) {
+         edit(d + "/manifest.json", [](auto& b) { b[std::string(b.begin(), b.end()).find("\"files\"")] = '}'; });
+       },
        "is not valid JSON", false},
       {"a manifest of a later format",
        [&](const std::string& d) {
@@ -293,6 +296,139 @@ TEST_CASE("a damaged checkpoint fails clearly on every rank; a good one loads af
   std::filesystem::remove_all(good);
   std::filesystem::remove_all(bad);
   std::filesystem::remove_all(resaved);
+}
+
+TEST_CASE(
+    "the program's metadata: kept with the state, returned by load at any size, checked, the same on every rank") {
+  const std::string dir = temp_path("metadata"), out = temp_path("metadata_consolidated") + ".safetensors";
+  // Any UTF-8 text, JSON's escapes included, and an empty value.
+  const tandem::CheckpointMetadata metadata = {
+      {"seed", "7"}, {"data", "text \"quoted\"\n\tl\u00ednea \u2713"}, {"empty", ""}, {"k\\ey/with:punctuation", "{}"}};
+  // Saves `given(rank)` at 2 ranks under GradientSharded; returns each rank's error message ("" where it saved).
+  auto save = [&](auto&& given, const std::string& where) {
+    std::vector<std::string> messages(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 5);
+      test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors());
+      dp.broadcast_parameters();
+      model.forward_backward(dataset(), comm.rank() * 12, 12);
+      dp.step();
+      messages[static_cast<std::size_t>(comm.rank())] =
+          test::message_of([&] { dp.save_checkpoint(where, given(comm.rank())); });
+    });
+    return messages;
+  };
+  const std::vector<std::string> saved(2, "(no error)");
+  auto read_text = [](const std::string& path) {
+    const std::vector<char> bytes = read_file(path);
+    return std::string(bytes.begin(), bytes.end());
+  };
+  CHECK(save([&](int) { return metadata; }, dir) == saved);
+  CHECK(tandem::verify_checkpoint(dir).manifest.metadata == metadata);
+  // load_checkpoint returns it, at another size under another policy, on every rank.
+  std::vector<tandem::CheckpointMetadata> loaded(3);
+  tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
+    loaded[static_cast<std::size_t>(comm.rank())] = dp.load_checkpoint(dir);
+  });
+  CHECK(loaded == std::vector<tandem::CheckpointMetadata>(3, metadata));
+  // The consolidated file carries it, as "metadata/<key>".
+  tandem::consolidate_checkpoint(dir, out);
+  {
+    const tandem::SafetensorsFile file(out);
+    for (const auto& [key, value] : metadata) {
+      CAPTURE(key);
+      const std::string* held = file.metadata("metadata/" + key);
+      REQUIRE(held != nullptr);
+      CHECK(*held == value);
+    }
+  }
+  // Imported, the parameters are a start, not a run: no metadata comes back.
+  const std::string imported = temp_path("metadata_imported");
+  tandem::import_parameters(out, imported);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors());
+    CHECK(dp.load_checkpoint(imported).empty());
+  });
+  std::filesystem::remove_all(imported);
+  // Saves refused on every rank, the checkpoint there unchanged: metadata that differs between ranks, an empty key,
+  // text that is not UTF-8, more than checkpoint_max_metadata_bytes.
+  const std::string manifest = read_text(dir + "/manifest.json");
+  struct Refused {
+    std::function<tandem::CheckpointMetadata(int)> given;
+    std::string want;
+  };
+  const std::vector<Refused> refused = {
+      {[&](int rank) {
+         return rank == 1 ? tandem::CheckpointMetadata{{"seed", "8"}} : metadata;
+       },
+       "ranks 0 and 1 gave different metadata; every rank must give the same. Nothing was saved"},
+      {[&](int) {
+         return tandem::CheckpointMetadata{{"", "x"}};
+       },
+       "the metadata has an empty key"},
+      {[&](int) {
+         return tandem::CheckpointMetadata{{"seed", "\xff"}};
+       },
+       "the metadata has the value of `seed` that is not UTF-8 from byte 0 on"},
+      {[&](int) {
+         return tandem::CheckpointMetadata{{"k", std::string(tandem::checkpoint_max_metadata_bytes, 'x')}};
+       },
+       "holds 1048577 bytes of keys and values; a checkpoint's metadata holds at most 1048576"},
+  };
+  for (const Refused& r : refused) {
+    CAPTURE(r.want);
+    for (const std::string& message : save(r.given, dir)) {
+      CAPTURE(message);
+      CHECK(message.find(r.want) != std::string::npos);
+    }
+    CHECK(read_text(dir + "/manifest.json") == manifest);
+    CHECK(tandem::verify_checkpoint(dir).manifest.metadata == metadata);
+    // A first save refused: not even its directory is made.
+    const std::string fresh = temp_path("metadata_fresh");
+    CHECK(save(r.given, fresh) != saved);
+    CHECK(!std::filesystem::exists(fresh));
+  }
+  // A manifest whose metadata was changed (no checksum of its own covers it) is refused: each shard records it too.
+  auto edited = [&](const std::string& from, const std::string& to) {
+    const std::string copy = temp_path("metadata_edited");
+    std::filesystem::remove_all(copy);
+    std::filesystem::copy(dir, copy);
+    std::string text = manifest;
+    REQUIRE(text.find(from) != std::string::npos);
+    text.replace(text.find(from), from.size(), to);
+    write_file(copy + "/manifest.json", {text.begin(), text.end()});
+    std::string verified = test::message_of([&] { tandem::verify_checkpoint(copy); });
+    const std::vector<std::string> messages = try_load(2, copy);
+    std::filesystem::remove_all(copy);
+    return std::pair{verified, messages};
+  };
+  for (const auto& [from, to, key] :
+       std::vector<std::array<std::string, 3>>{{"\"seed\": \"7\"", "\"seed\": \"8\"", "seed"},
+                                               {"\"empty\": \"\"", "\"emptz\": \"\"", "empty"},
+                                               {"\"seed\": \"7\"", "\"seed\": \"7\", \"new\": \"1\"", "new"}}) {
+    CAPTURE(to);
+    const auto [verified, messages] = edited(from, to);
+    const std::string want = "its record of the metadata `" + key + "` differs from the checkpoint manifest's";
+    CHECK(verified.find(want) != std::string::npos);
+    for (const std::string& message : messages) CHECK(message.find(want) != std::string::npos);
+  }
+  // A manifest of a save before metadata (no "metadata" member) loads, with none.
+  {
+    std::filesystem::remove_all(dir);
+    CHECK(save([](int) { return tandem::CheckpointMetadata{}; }, dir) == saved);
+    std::string text = read_text(dir + "/manifest.json");
+    const std::string member = "\n \"metadata\": {},";
+    REQUIRE(text.find(member) != std::string::npos);
+    text.erase(text.find(member), member.size());
+    write_file(dir + "/manifest.json", {text.begin(), text.end()});
+    CHECK(tandem::verify_checkpoint(dir).manifest.metadata.empty());
+    CHECK(try_load(2, dir) == std::vector<std::string>(2));
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(out);
 }
 
 TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import makes them the initial parameters") {

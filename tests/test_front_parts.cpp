@@ -551,7 +551,7 @@ void check_checkpoint_io(int world, int restore_world, DType dtype) {
     });
     const std::string name = "rank" + std::to_string(comm.rank()) + ".safetensors";
     const tandem::SafetensorsSummary summary = tandem::detail::write_shard<P>(
-        be, plan, layout, state, dtype, comm.rank(), world, manifest.step, dir + "/" + name);
+        be, plan, layout, state, dtype, comm.rank(), world, manifest.step, manifest.metadata, dir + "/" + name);
     manifest.files[static_cast<std::size_t>(comm.rank())] = {name, summary.bytes, summary.header_crc};
   });
   tandem::detail::commit_manifest(dir, manifest);

@@ -91,7 +91,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     // What it parsed writes back to a manifest that parses to the same.
     const tandem::CheckpointManifest again =
         tandem::detail::parse_manifest(tandem::detail::manifest_json(m), "fuzz input, written back");
-    if (again.step != m.step || again.tensors.size() != m.tensors.size() || again.files.size() != m.files.size())
+    if (again.step != m.step || again.metadata != m.metadata || again.tensors.size() != m.tensors.size() ||
+        again.files.size() != m.files.size())
       std::abort();
   } catch (const tandem::error&) {
   }

@@ -6,14 +6,17 @@
 //   manifest.json      {"format": "tandem-checkpoint", "version": 2, "step": 120, "policy": "GradientSharded",
 //                       "world_size": 4, "optimizer": "AdamW", "optimizer_fingerprint": "9f3c...", "state_count": 2,
 //                       "param_dtype": "bf16", "bucket_cap_bytes": ..., "first_bucket_cap_bytes": ...,
-//                       "parameters_only": false, "tensors": [{"name": ..., "numel": ..., "dtype": ...}, ...],
+//                       "parameters_only": false, "metadata": {"data_seed": "7", ...},
+//                       "tensors": [{"name": ..., "numel": ..., "dtype": ...}, ...],
 //                       "files": [{"name": ..., "bytes": ..., "header_crc32c": "1a2b3c4d"}, ...]}
 //   <files[r].name>    rank r's part: for every bucket of the saving plan (its tensor list, its world size and bucket
 //                      caps), shard r of it, cut at tensor boundaries into 1-D tensors:
 //                        "<name>" or "<name>[b:e]"          the parameters (elements [b, e) of tensor <name>)
 //                        "master/<name>..."                 the fp32 master weights (16-bit parameters only)
 //                        "state<k>/<name>..."               optimizer state array k (fp32)
-//                      each with its CRC-32C in the file's metadata.
+//                      each with its CRC-32C in the file's metadata, which also records the step and the
+//                      program's metadata ("metadata/<key>"), so that the manifest's record of the header's checksum
+//                      covers them (a manifest without "metadata", of a save before it, holds none).
 // A parameters-only checkpoint (tandem_checkpoint import) holds only the parameters, whole, in one file, tensors in any
 // order; loading it sets the parameters, derives the master weights and starts the optimizer state and step at zero.
 #pragma once
@@ -21,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -31,6 +35,15 @@
 #include "tandem/core/tensor.hpp"
 
 namespace tandem {
+
+/// A program's own records, kept with a checkpoint beside the training state (DataParallel::save_checkpoint takes them,
+/// load_checkpoint returns them): keys and values of UTF-8 text, e.g. the options that chose the program's data, or its
+/// data loader's position. Keys are not empty; keys and values together are at most checkpoint_max_metadata_bytes.
+using CheckpointMetadata = std::map<std::string, std::string>;
+
+/// The most bytes of keys and values a checkpoint's metadata holds (every shard file of a save repeats them): records,
+/// not state; state belongs in tensors.
+inline constexpr std::size_t checkpoint_max_metadata_bytes = std::size_t{1} << 20;
 
 struct CheckpointManifest {
   struct File {
@@ -47,6 +60,7 @@ struct CheckpointManifest {
   DType param_dtype = DType::fp32;
   std::uint64_t bucket_cap_bytes = 0, first_bucket_cap_bytes = 0;  ///< the saving plan's caps
   bool parameters_only = false;
+  CheckpointMetadata metadata;  ///< the program's (empty in a checkpoint saved without, or before there was any)
   std::vector<TensorSpec> tensors;
   std::vector<File> files;
 };
@@ -55,6 +69,25 @@ namespace detail {
 
 inline constexpr const char* manifest_name = "manifest.json";
 inline constexpr std::uint64_t manifest_version = 2;
+/// The prefix of the metadata keys of a shard file that record the program's metadata (CheckpointMetadata).
+inline constexpr std::string_view shard_metadata_prefix = "metadata/";
+
+/// Throws tandem::error (its message begins with `what`) unless `metadata` can be a checkpoint's: no empty key, UTF-8
+/// throughout, at most checkpoint_max_metadata_bytes in all.
+TANDEM_COLD inline void check_checkpoint_metadata(const CheckpointMetadata& metadata, const std::string& what) {
+  std::size_t bytes = 0;
+  for (const auto& [key, value] : metadata) {
+    if (key.empty()) fail(what + "has an empty key");
+    for (const std::string* text : {&key, &value})
+      if (const std::size_t valid = json::utf8_prefix(*text); valid != text->size())
+        fail(what + (text == &key ? "has a key" : "has the value of `" + key + "`") + " that is not UTF-8 from byte " +
+             std::to_string(valid) + " on");
+    bytes += key.size() + value.size();
+  }
+  if (bytes > checkpoint_max_metadata_bytes)
+    fail(what + "holds " + std::to_string(bytes) + " bytes of keys and values; a checkpoint's metadata holds at most " +
+         std::to_string(checkpoint_max_metadata_bytes) + " (records, not state: keep state in tensors)");
+}
 
 /// The manifest as JSON (one tensor and one file per line).
 inline std::string manifest_json(const CheckpointManifest& m) {
@@ -66,7 +99,10 @@ inline std::string manifest_json(const CheckpointManifest& m) {
                   "\", \"state_count\": " + std::to_string(m.state_count) + ", \"param_dtype\": \"" +
                   dtype_name(m.param_dtype) + "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
                   ", \"first_bucket_cap_bytes\": " + std::to_string(m.first_bucket_cap_bytes) +
-                  ", \"parameters_only\": " + (m.parameters_only ? "true" : "false") + ",\n \"tensors\": [";
+                  ", \"parameters_only\": " + (m.parameters_only ? "true" : "false") + ",\n \"metadata\": {";
+  for (auto it = m.metadata.begin(); it != m.metadata.end(); ++it)
+    s += (it == m.metadata.begin() ? "" : ", ") + quote(it->first) + ": " + quote(it->second);
+  s += "},\n \"tensors\": [";
   for (std::size_t i = 0; i < m.tensors.size(); ++i)
     s += std::string(i == 0 ? "\n" : ",\n") + "  {\"name\": " + quote(m.tensors[i].name) +
          ", \"numel\": " + std::to_string(m.tensors[i].numel) + ", \"dtype\": \"" + dtype_name(m.tensors[i].dtype) +
@@ -227,6 +263,14 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
   m.bucket_cap_bytes = count(root, "bucket_cap_bytes", UINT64_MAX);
   m.first_bucket_cap_bytes = count(root, "first_bucket_cap_bytes", UINT64_MAX);
   m.parameters_only = member(root, "parameters_only", Value::Kind::boolean).boolean;
+  if (const Value* metadata = root.find("metadata")) {  // (a manifest of a save before metadata has none)
+    if (metadata->kind != Value::Kind::object) lacks("metadata");
+    for (const json::Member& entry : metadata->members) {
+      if (entry.value.kind != Value::Kind::string) bad("has metadata `" + entry.name + "` that is not a string");
+      if (!m.metadata.emplace(entry.name, entry.value.string).second) bad("has metadata `" + entry.name + "` twice");
+    }
+    check_checkpoint_metadata(m.metadata, where + "has metadata that ");
+  }
   if (!have_tensors) lacks("tensors");
   m.tensors.reserve(tensors.size());
   for (const Entry& t : tensors) {

@@ -632,6 +632,8 @@ class SafetensorsFile {
   const Tensor* find(std::string_view name) const { return header_.find(name); }
   /// The value of metadata key k, or null.
   const std::string* metadata(std::string_view k) const { return header_.find_metadata(k); }
+  /// Every metadata key and value but the checksums (those of tandem's files), in the header's order.
+  const std::vector<std::pair<std::string, std::string>>& metadata() const { return header_.metadata; }
   /// The CRC-32C of the header's text (what the checkpoint's manifest records of the file).
   std::uint32_t header_crc() const { return header_crc_; }
 

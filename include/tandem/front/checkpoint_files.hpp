@@ -5,7 +5,8 @@
 //                                              tensor's data against its file, and every slice the saving plan cut
 //   consolidate_checkpoint(dir, out, arrays)   the parameters as whole tensors in one safetensors file (with
 //                                              Arrays::all also "master/<name>" and "state<k>/<name>"), for inference,
-//                                              PyTorch or anything else that reads safetensors
+//                                              PyTorch or anything else that reads safetensors; the program's metadata
+//                                              in the file's, as "metadata/<key>"
 //   import_parameters(in, dir[, existing])     a safetensors file as a parameters-only checkpoint, which
 //                                              DataParallel::load_checkpoint takes as the initial parameters (a
 //                                              training run's checkpoint in dir is kept unless told to replace it)
@@ -100,18 +101,20 @@ TANDEM_COLD inline std::uint32_t checkpoint_digest(const std::string& dir) {
 }
 
 /// Writes the checkpoint in `dir` to the safetensors file `out` (atomically), every tensor whole and 1-D, each array
-/// checked against its checksums as it is read. Returns the number of bytes written.
+/// checked against its checksums as it is read; the file's metadata records the step, the policy, the optimizer and
+/// the program's metadata ("metadata/<key>"). Returns the number of bytes written.
 TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, const std::string& out,
                                                         Arrays which = Arrays::parameters) {
   const CheckpointManifest m = detail::read_manifest(dir);
   std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
   if (which == Arrays::parameters) arrays.resize(1);
-  SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays),
-                           {{"format", "pt"},
-                            {detail::safetensors_step_key, std::to_string(m.step)},
-                            {"tandem_policy", m.policy},
-                            {"tandem_optimizer", m.optimizer}},
-                           "the consolidated file");
+  std::vector<std::pair<std::string, std::string>> metadata = {{"format", "pt"},
+                                                               {detail::safetensors_step_key, std::to_string(m.step)},
+                                                               {"tandem_policy", m.policy},
+                                                               {"tandem_optimizer", m.optimizer}};
+  for (const auto& [key, value] : m.metadata)
+    metadata.emplace_back(std::string(detail::shard_metadata_prefix) + key, value);
+  SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays), std::move(metadata), "the consolidated file");
   detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
   std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
   for (const detail::CheckpointArray& a : arrays)

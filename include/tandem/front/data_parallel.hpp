@@ -406,7 +406,9 @@ class DataParallel {
   /// one, whole (verify_checkpoint says which). It refuses, as step() does, a state that a failed load_checkpoint left
   /// partly overwritten and, with owned storage, one whose initial parameters were never set (broadcast_parameters,
   /// initialize_parameters), so that it never replaces a good checkpoint with one that is not a training state.
-  TANDEM_COLD void save_checkpoint(const std::string& dir) {
+  /// `metadata`, the program's own records (the options that chose its data, its data loader's position), is kept with
+  /// the state, under the checksums that cover it, and load_checkpoint returns it; every rank must give the same.
+  TANDEM_COLD void save_checkpoint(const std::string& dir, const CheckpointMetadata& metadata = {}) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
@@ -421,6 +423,23 @@ class DataParallel {
     } catch (const error& e) {
       problem = e.what();
     }
+    std::uint64_t given = detail::fnv1a_basis;  // this rank's metadata, which the ranks compare below
+    if (problem.empty()) try {
+        detail::check_checkpoint_metadata(metadata, "tandem: save_checkpoint: the metadata ");
+        for (const auto& [key, value] : metadata)
+          for (const std::string* text : {&key, &value}) {
+            const std::uint64_t n = text->size();
+            given = detail::fnv1a(*text, detail::fnv1a(&n, sizeof n, given));
+          }
+      } catch (const error& e) {
+        problem = e.what();
+      }
+    // Compared before anything is created: a refused save leaves no trace (not even a new, empty directory).
+    const std::vector<std::uint64_t> given_by = all_gather_words({given});
+    for (int r = 1; r < world_ && problem.empty(); ++r)
+      if (given_by[static_cast<std::size_t>(r)] != given_by[0])
+        problem = "tandem: save_checkpoint: ranks 0 and " + std::to_string(r) +
+                  " gave different metadata; every rank must give the same. Nothing was saved";
     std::uint64_t id = 0;
     try {
       if (problem.empty()) detail::create_directories_durably(dir);
@@ -447,7 +466,7 @@ class DataParallel {
       }
     } orphan{file};
     try {
-      mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, step_, file);
+      mine = detail::write_shard<P>(backend_, plan_, layout_, state_, pdtype_, rank_, world_, step_, metadata, file);
     } catch (const std::exception& e) {
       problem = detail::problem_of(e, "writing the checkpoint shard `" + file + "`");
     }
@@ -464,6 +483,7 @@ class DataParallel {
         m.param_dtype = pdtype_;
         m.bucket_cap_bytes = options_.bucket_cap_bytes;
         m.first_bucket_cap_bytes = options_.first_bucket_cap_bytes;
+        m.metadata = metadata;
         m.tensors = layout_.tensors();
         for (int r = 0; r < world_; ++r)
           m.files.push_back({detail::shard_file_name(step_, id, r, world_), files[2 * static_cast<std::size_t>(r)],
@@ -493,8 +513,9 @@ class DataParallel {
   /// fails there, or the ranks read different checkpoints, every rank throws and nothing changed. A slice that fails
   /// its checksum while it is restored makes every rank throw too; the state is then partly overwritten, and stepping
   /// is refused until a load succeeds. The accumulation window starts clean (no gradient of a half-finished window
-  /// survives). The restored state is bit for bit the saved one, and the user's parameter buffers receive it.
-  TANDEM_COLD void load_checkpoint(const std::string& path) {
+  /// survives). The restored state is bit for bit the saved one, and the user's parameter buffers receive it. Returns
+  /// the metadata save_checkpoint kept with it (none from a parameters-only checkpoint or a single file).
+  TANDEM_COLD CheckpointMetadata load_checkpoint(const std::string& path) {
     check_live("load_checkpoint");  // a moved-from object has no state to restore, nor a collective to take part in
     std::string problem;
     std::optional<CheckpointData> single;
@@ -577,6 +598,7 @@ class DataParallel {
     damaged_.clear();
     for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
     scope.leave();
+    return sharded && !sharded->manifest().parameters_only ? sharded->manifest().metadata : CheckpointMetadata{};
   }
 
   /// Drops the gradients of the current accumulation window (every micro-step since the last optimizer step, and any

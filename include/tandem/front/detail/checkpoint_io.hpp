@@ -217,24 +217,25 @@ unsigned char* slice_source(const TrainingState<Backend>& state, const Plan& pla
 }
 
 /// Writes rank `rank`'s shard of every array (shard `rank` of every bucket) to `path`, streamed through one host
-/// chunk, as a safetensors file whose metadata records the step (which the manifest's record of the header's checksum
-/// then covers: ShardedCheckpoint holds the manifest's step to it); returns its size and data checksum. Local: no
-/// collective.
+/// chunk, as a safetensors file whose metadata records the step and the program's `metadata` (which the manifest's
+/// record of the header's checksum then covers: ShardedCheckpoint holds the manifest's to them); returns its size and
+/// data checksum. Local: no collective.
 template <Policy P, class Backend>
 TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& plan, const Layout& layout,
                                            const TrainingState<Backend>& state, DType param_dtype, int rank, int world,
-                                           std::uint64_t step, const std::string& path) {
+                                           std::uint64_t step, const CheckpointMetadata& metadata,
+                                           const std::string& path) {
   const std::vector<CheckpointArray> arrays = checkpoint_arrays(param_dtype, state.state_count());
   const std::vector<Slice> slices = shard_slices(plan, rank);
   std::vector<SafetensorsEntry> entries = shard_entries(layout, arrays, slices);
   std::size_t largest = 0;
   for (const SafetensorsEntry& e : entries) largest = std::max<std::size_t>(largest, e.count * dtype_size(e.dtype));
-  SafetensorsWriter out(path, std::move(entries),
-                        {{"format", safetensors_shard_format},
-                         {"rank", std::to_string(rank)},
-                         {"world_size", std::to_string(world)},
-                         {"step", std::to_string(step)}},
-                        "the checkpoint shard");
+  std::vector<std::pair<std::string, std::string>> file_metadata = {{"format", safetensors_shard_format},
+                                                                    {"rank", std::to_string(rank)},
+                                                                    {"world_size", std::to_string(world)},
+                                                                    {"step", std::to_string(step)}};
+  for (const auto& [key, value] : metadata) file_metadata.emplace_back(std::string(shard_metadata_prefix) + key, value);
+  SafetensorsWriter out(path, std::move(entries), std::move(file_metadata), "the checkpoint shard");
   const std::size_t psize = dtype_size(param_dtype);
   // Host memory is written from where it is (the host backend has nothing queued, and nothing writes the state before
   // commit); other memory through one chunk.
@@ -461,13 +462,33 @@ class ShardedCheckpoint {
       most_open_ = std::max(most_open_, ++open_);
       if (files_[file]->header_crc() != m.header_crc)
         files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
-      // The step, which the manifest alone records in files saved before shards recorded it too.
-      if (const std::string* step = files_[file]->metadata("step");
-          step != nullptr && *step != std::to_string(manifest_.step))
-        files_[file]->corrupt("it records step " + *step + " where the checkpoint's manifest says " +
-                              std::to_string(manifest_.step) + " (a damaged manifest?)");
+      // The step and the program's metadata, which the manifest alone records in files saved before shards recorded
+      // them too (those record no step).
+      if (const std::string* step = files_[file]->metadata("step"); step != nullptr) {
+        if (*step != std::to_string(manifest_.step))
+          files_[file]->corrupt("it records step " + *step + " where the checkpoint's manifest says " +
+                                std::to_string(manifest_.step) + " (a damaged manifest?)");
+        check_metadata(*files_[file]);
+      }
     }
     return *files_[file];
+  }
+
+  /// Holds file `f`'s record of the program's metadata to the manifest's.
+  void check_metadata(const SafetensorsFile& f) const {
+    CheckpointMetadata recorded;
+    for (const auto& [key, value] : f.metadata())
+      if (key.starts_with(shard_metadata_prefix) &&
+          !recorded.emplace(key.substr(shard_metadata_prefix.size()), value).second)
+        f.corrupt(naming("it records metadata ", key, " twice"));
+    if (recorded == manifest_.metadata) return;
+    auto a = recorded.cbegin(), b = manifest_.metadata.cbegin();  // the first key (in order) that differs
+    for (; a != recorded.end() && b != manifest_.metadata.end() && *a == *b; ++a, ++b) {
+    }
+    const std::string& key =
+        b == manifest_.metadata.end() || (a != recorded.end() && a->first < b->first) ? a->first : b->first;
+    f.corrupt(
+        naming("its record of the metadata ", key, " differs from the checkpoint manifest's (a damaged manifest?)"));
   }
 
   std::string dir_;
