@@ -142,12 +142,7 @@ void check_save_dir(const std::string& dir) {
 }
 
 /// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
-std::uint64_t fingerprint(const std::vector<float>& params) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
-  const auto* bytes = reinterpret_cast<const unsigned char*>(params.data());
-  for (std::size_t i = 0; i < params.size() * sizeof(float); ++i) h = (h ^ bytes[i]) * 0x100000001b3ull;
-  return h;
-}
+std::uint64_t fingerprint(const std::vector<float>& params) { return tiny::fnv1a(params.data(), params.size() * 4); }
 
 #if defined(TINY_HAVE_MPI)
 /// Rank 0's problem (empty: none) on every process of the job, so that they all stop, or none does.

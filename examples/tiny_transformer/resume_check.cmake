@@ -8,6 +8,8 @@
 # - its save at step 80 replaces the step-40 checkpoint in the same directory; tandem_checkpoint verifies the result and
 #   consolidates it, imports the consolidated file as a parameters-only checkpoint, verifies that, and consolidates it
 #   again to the same tensors;
+# - a resume with options that would not continue the saved run (another seed, training set or learning rate: the
+#   checkpoint's metadata records them) is refused before it trains; one from the imported parameters is not;
 # - a --save of another model over it is refused before training, and leaves it whole.
 cmake_minimum_required(VERSION 3.25)
 foreach(var IN ITEMS EXE TOOL DIR)
@@ -39,6 +41,20 @@ function(final_loss csv var)
 endfunction()
 
 run(saved --ranks 2 --steps 40 --policy gradient-sharded --save "${DIR}/ckpt")
+# A run that would not continue the saved one (another seed: another order of the batches; another training set) is
+# refused after the load, before it trains, naming what differs.
+foreach(other IN ITEMS "--seed;2" "--train-examples;40000" "--lr;0.001")
+  execute_process(COMMAND "${EXE}" ${common} --ranks 2 --steps 80 ${other} --resume "${DIR}/ckpt"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  list(GET other 0 option)
+  if(option STREQUAL "--train-examples")
+    set(option "training set")
+  endif()
+  if(rc EQUAL 0 OR NOT out MATCHES "is of a run this one would not continue:\n  ${option}: " OR
+     out MATCHES ": step [0-9]+/")
+    message(FATAL_ERROR "--resume with ${other}: not refused before training (${rc}):\n${out}")
+  endif()
+endforeach()
 run(resumed_1 --ranks 1 --steps 80 --policy replicated --resume "${DIR}/ckpt" --csv "${DIR}/resumed.csv")
 run(straight_1 --ranks 1 --steps 80 --policy replicated --csv "${DIR}/straight.csv")
 final_loss("${DIR}/resumed.csv" resumed)
@@ -78,12 +94,14 @@ function(tool expect)
   endif()
 endfunction()
 
-tool("step 80, saved by GradientSharded at 2 ranks" verify "${DIR}/ckpt")
+tool("step 80, saved by GradientSharded at 2 ranks.*\n  metadata \"--seed\": \"1\"\n" verify "${DIR}/ckpt")
 tool("" consolidate "${DIR}/ckpt" "${DIR}/model.safetensors")
 # The consolidated parameters imported as a parameters-only checkpoint: it verifies, and consolidated again it holds
 # the same tensors, each with the same data checksum (the headers' metadata name their source, so the files differ).
 tool("" import "${DIR}/model.safetensors" "${DIR}/imported")
 tool("step 0, .*\\(parameters only\\).*verified" verify "${DIR}/imported")
+# Imported parameters record no run: a run with other options starts from them.
+run(from_imported --ranks 2 --steps 4 --seed 2 --resume "${DIR}/imported")
 tool("" consolidate "${DIR}/imported" "${DIR}/again.safetensors")
 foreach(f IN ITEMS model again)
   file(READ "${DIR}/${f}.safetensors" header OFFSET 8 LIMIT 65536)  # (the JSON header, past its 8-byte length)

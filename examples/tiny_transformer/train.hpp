@@ -6,9 +6,11 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -112,6 +114,38 @@ struct StepReport {
 
 /// Called on rank 0 after every optimizer step.
 using Progress = std::function<void(const StepReport&)>;
+
+/// What a checkpoint of this example records of the run that saved it (tandem keeps it with the training state): what a
+/// run that resumes from it must share with it to continue it (the training set, the order of its batches, the
+/// learning-rate schedule), keyed by the options that set them.
+inline tandem::CheckpointMetadata run_record(const TrainConfig& cfg, const Task& task) {
+  char lr[32], data[17];
+  *std::to_chars(lr, lr + sizeof lr - 1, cfg.lr).ptr = '\0';  // (the shortest text that reads back as this float)
+  std::snprintf(data, sizeof data, "%016llx", static_cast<unsigned long long>(task.train.fingerprint()));
+  return {{"training set", task.name + ", " + std::to_string(task.train.size()) + " examples of " +
+                               std::to_string(task.train.len) + " tokens, fingerprint " + data},
+          {"--seed", std::to_string(cfg.seed)},
+          {"--batch", std::to_string(cfg.batch)},
+          {"--lr", lr},
+          {"--schedule-steps", std::to_string(cfg.schedule_steps > 0 ? cfg.schedule_steps : cfg.steps)}};
+}
+
+/// Throws std::invalid_argument unless this run (`now`, its run_record) continues the run that saved the checkpoint in
+/// `dir` (`saved`, what load_checkpoint returned). A checkpoint that records nothing passes: imported parameters, where
+/// a run starts rather than goes on.
+inline void check_continues(const tandem::CheckpointMetadata& saved, const tandem::CheckpointMetadata& now,
+                            const std::string& dir) {
+  if (saved.empty()) return;
+  std::string differs;
+  for (const auto& [key, value] : now)
+    if (const auto it = saved.find(key); it == saved.end() || it->second != value)
+      differs += "\n  " + key + ": " + (it == saved.end() ? "not recorded" : it->second) + " (this run: " + value + ")";
+  if (!differs.empty())
+    throw std::invalid_argument(
+        "--resume: the checkpoint in '" + dir + "' is of a run this one would not continue:" + differs +
+        "\ngive that run's options to continue it; to start a new run from its parameters, make them a checkpoint of "
+        "their own (tandem_checkpoint consolidate, then import) and resume from that");
+}
 
 inline float learning_rate(const TrainConfig& cfg, int step) {
   const int length = cfg.schedule_steps > 0 ? cfg.schedule_steps : cfg.steps;
@@ -362,9 +396,11 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
     dp.broadcast_parameters();  // tandem: rank 0's initial weights everywhere
   }
 
+  // tandem: kept with every checkpoint this run saves (its metadata); a resumed run checks that it continues that run
+  const tandem::CheckpointMetadata record = run_record(cfg, task);
   int first_step = 0;
   if (!cfg.resume_dir.empty()) {  // tandem: the checkpoint's state, at any rank count and under any policy
-    dp.load_checkpoint(cfg.resume_dir);
+    check_continues(dp.load_checkpoint(cfg.resume_dir), record, cfg.resume_dir);
     const std::uint64_t loaded = dp.step_count();
     if (loaded >= std::uint64_t(cfg.steps))  // every rank loaded the same step: they all stop here
       throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
@@ -428,7 +464,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
       dev.synchronize();  // the steps before it, on every rank, are training time
       comm.barrier();
       const Clock::time_point save_start = Clock::now();
-      dp.save_checkpoint(cfg.save_dir);  // tandem: every rank writes its shard; the manifest makes it the checkpoint
+      dp.save_checkpoint(cfg.save_dir, record);  // tandem: every rank writes its shard; the manifest makes it the set
       saving += Clock::now() - save_start;
     }
   }
@@ -436,7 +472,7 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   comm.barrier();
   TrainResult result;
   result.seconds = trained();
-  if (!cfg.save_dir.empty()) dp.save_checkpoint(cfg.save_dir);
+  if (!cfg.save_dir.empty()) dp.save_checkpoint(cfg.save_dir, record);
   result.tokens = double(std::max(0, cfg.steps - untimed)) * cfg.batch * len;
   result.final_loss = final_loss;
 
