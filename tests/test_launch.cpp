@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -47,6 +48,9 @@ TEST_CASE("detect_launch: no launcher") {
   CHECK(info.launcher == tandem::Launcher::none);
   CHECK(info.rank == 0);
   CHECK(info.world_size == 1);
+  CHECK(info.local_rank == 0);  // the only process of its job: its GPU is device 0
+  CHECK(info.local_size == 1);
+  CHECK(tandem::device_for(info, 4, lookup({})) == 0);
   CHECK(contains(info.describe(), "no launcher found"));
 }
 
@@ -98,6 +102,8 @@ TEST_CASE("detect_launch: each launcher's variables") {
     CHECK(info.local_size == 2);
     CHECK(info.missing.empty());
     CHECK(contains(info.describe(), "rank 3 of 4, local rank 1 of 2"));
+    CHECK(!contains(info.describe(), "ignored"));  // the step's variables were read, to match the PMI ranks
+    CHECK(contains(info.describe(), "SLURM_PROCID=3, SLURM_STEP_NUM_TASKS=4"));
     CHECK(tandem::device_for(info, 2, lookup({})) == 1);
   }
   SUBCASE("PMI ranks that are not the SLURM step's tasks (a launcher's proxies started by srun): not guessed") {
@@ -126,6 +132,17 @@ TEST_CASE("detect_launch: each launcher's variables") {
     CHECK(info.world_size == 7);  // the step's tasks, not the allocation's
     CHECK(info.local_rank == 0);
     CHECK(info.local_size == 1);
+  }
+  SUBCASE("srun --preserve-env: the step's per-node list, not the job's that SLURM_TASKS_PER_NODE keeps") {
+    const auto info = detect({{"SLURM_PROCID", "1"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_STEP_NUM_TASKS", "2"},
+                              {"SLURM_LOCALID", "1"},
+                              {"SLURM_NODEID", "0"},
+                              {"SLURM_TASKS_PER_NODE", "4(x2)"},
+                              {"SLURM_STEP_TASKS_PER_NODE", "2"}});
+    CHECK(info.local_size == 2);
+    CHECK(contains(info.describe(), "SLURM_STEP_TASKS_PER_NODE=2"));
   }
   SUBCASE("a SLURM batch script without srun is no launch") {
     const auto info = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}});
@@ -169,14 +186,40 @@ TEST_CASE("detect_launch: mpirun inside a SLURM step wins; the SLURM variables a
   CHECK(contains(info.describe(), "also set but ignored: SLURM_PROCID=0"));
 }
 
+TEST_CASE("detect_launch: mpirun and torchrun that agree: mpirun wins; that disagree: an error; PMI under torchrun") {
+  const auto info =
+      detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"RANK", "1"}, {"WORLD_SIZE", "2"}});
+  CHECK(info.launcher == tandem::Launcher::openmpi);
+  CHECK(contains(info.describe(), "also set but ignored: RANK=1, WORLD_SIZE=2"));
+  // torchrun's workers started under mpirun: every worker of a node would take mpirun's rank
+  CHECK_THROWS_WITH_AS(detect({{"OMPI_COMM_WORLD_RANK", "1"},
+                               {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"RANK", "13"},
+                               {"WORLD_SIZE", "16"},
+                               {"LOCAL_RANK", "5"}}),
+                       doctest::Contains("the variables of two launchers disagree: OMPI_COMM_WORLD_RANK=1, "
+                                         "OMPI_COMM_WORLD_SIZE=2 (Open MPI (mpirun)) and RANK=13, WORLD_SIZE=16"),
+                       tandem::error);
+  // torchrun's workers under Hydra's mpiexec, Flux or srun --mpi=pmi2: torchrun's variables win the order, as nested
+  const auto under_pmi = detect({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"RANK", "13"}, {"WORLD_SIZE", "16"}});
+  CHECK(under_pmi.launcher == tandem::Launcher::torchrun);
+  CHECK(under_pmi.rank == 13);
+  CHECK(contains(under_pmi.describe(), "also set but ignored: PMI_RANK=1, PMI_SIZE=2"));
+}
+
 TEST_CASE("detect_launch: inconsistent or malformed variables name themselves") {
+  CHECK_THROWS_WITH_AS(detect({{"RANK", "0"}, {"WORLD_SIZE", "4294967296"}}),
+                       doctest::Contains("WORLD_SIZE is \"4294967296\", too large (at most 9 digits)"), tandem::error);
+  CHECK(detect({{"RANK", "0000000002"}, {"WORLD_SIZE", "0004"}}).rank == 2);  // leading zeros are no digits of size
+  CHECK_THROWS_WITH_AS(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "0"}}),
+                       doctest::Contains("MASTER_PORT is 0, not a TCP port (1 to 65535)"), tandem::error);
   CHECK_THROWS_WITH_AS(detect({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),
                        "tandem: detect_launch (torchrun-style environment): RANK is 4 but WORLD_SIZE is 4; a rank "
                        "must be below the world size",
                        tandem::error);
   CHECK_THROWS_WITH_AS(detect({{"RANK", "1"}}), doctest::Contains("RANK is set but WORLD_SIZE is not"), tandem::error);
   CHECK_THROWS_WITH_AS(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "99999"}}),
-                       doctest::Contains("MASTER_PORT is 99999, not a TCP port (at most 65535)"), tandem::error);
+                       doctest::Contains("MASTER_PORT is 99999, not a TCP port (1 to 65535)"), tandem::error);
   CHECK(detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "65535"}}).master_port == 65535);
   CHECK_THROWS_WITH_AS(detect({{"PMI_RANK", "1x"}, {"PMI_SIZE", "2"}}),
                        doctest::Contains("PMI_RANK is \"1x\", not a non-negative integer"), tandem::error);
@@ -280,6 +323,35 @@ TEST_CASE("a key used before: rank 0 refuses and removes the file; remove_blob r
   { std::ofstream(path) << "not a rendezvous file"; }
   CHECK(!tandem::remove_blob(path, "run-1"));  // what is not a rendezvous file of this key stays
   CHECK(std::filesystem::exists(path));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("publish_blob refuses an empty key, a blob over the file limit, a path that holds another kind of file") {
+  const std::string path = scratch_path("refused");
+  const std::array<std::byte, 4> blob{};
+  CHECK_THROWS_WITH_AS(tandem::publish_blob(path, "", blob), doctest::Contains("the key is empty"), tandem::error);
+  const std::vector<std::byte> big(tandem::detail::kRendezvousMaxFile - 32);  // with the header and key: over
+  CHECK_THROWS_WITH_AS(tandem::publish_blob(path, "k", big),
+                       doctest::Contains("makes a rendezvous file over the 16777216 bytes readers read"),
+                       tandem::error);
+  CHECK(!std::filesystem::exists(path));
+  const std::vector<std::byte> largest(tandem::detail::kRendezvousMaxFile -
+                                       tandem::detail::rendezvous_file_bytes(1, 0));
+  tandem::publish_blob(path, "k", largest);  // the largest file readers read
+  CHECK(tandem::wait_for_blob(path, "k", largest.size(), {.timeout = 1s, .poll_interval = 5ms}).size() ==
+        largest.size());
+  CHECK(tandem::remove_blob(path, "k"));
+  { std::ofstream(path) << "precious data"; }
+  CHECK_THROWS_WITH_AS(tandem::publish_blob(path, "k", blob),
+                       doctest::Contains("holds a file that is not a tandem rendezvous file"), tandem::error);
+  std::ifstream in(path);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == "precious data");  // untouched
+  // A damaged file of this rendezvous at the path: readers wait it out and say what they found.
+  const auto bytes = tandem::detail::rendezvous_file("k", blob);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), 34);
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("a file it cannot use: its length does not match its header (truncated?)"),
+                       tandem::timeout_error);
   std::filesystem::remove(path);
 }
 

@@ -59,6 +59,8 @@ namespace detail {
 
 inline constexpr char kRendezvousMagic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'R', 'V'};
 inline constexpr std::uint32_t kRendezvousVersion = 1;
+/// The largest rendezvous file, in bytes, that readers read (and publish_blob writes): for small blobs, not data.
+inline constexpr std::size_t kRendezvousMaxFile = std::size_t{1} << 24;
 
 inline std::uint64_t rendezvous_checksum(const unsigned char* p, std::size_t n) { return fnv1a(p, n); }
 
@@ -66,6 +68,11 @@ template <class T>
 void append_bytes(std::vector<unsigned char>& out, const T& v) {
   const auto* p = reinterpret_cast<const unsigned char*>(&v);
   out.insert(out.end(), p, p + sizeof(T));
+}
+
+/// The size of the file for a key and a blob of these sizes.
+constexpr std::size_t rendezvous_file_bytes(std::size_t key, std::size_t blob) {
+  return sizeof(kRendezvousMagic) + 4 + 4 + 8 + key + blob + 8;
 }
 
 /// The file's bytes for (key, blob).
@@ -87,6 +94,7 @@ struct RendezvousRead {
   std::string key;                   ///< other_key: the key found
   std::vector<unsigned char> bytes;  ///< ready: the blob
   std::string why;                   ///< unreadable: what was wrong
+  bool foreign = false;              ///< unreadable: not a rendezvous file at all (no magic)
 };
 
 inline RendezvousRead read_rendezvous(const std::string& path, std::string_view key) {
@@ -101,7 +109,7 @@ inline RendezvousRead read_rendezvous(const std::string& path, std::string_view 
   }
   std::vector<unsigned char> data;
   unsigned char buffer[4096];
-  while (data.size() < (std::size_t{1} << 24)) {
+  while (data.size() <= kRendezvousMaxFile) {  // (one byte past it: too long, found below)
     const ssize_t n = ::read(fd, buffer, sizeof(buffer));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
@@ -110,8 +118,18 @@ inline RendezvousRead read_rendezvous(const std::string& path, std::string_view 
   ::close(fd);
   r.state = RendezvousRead::State::unreadable;
   constexpr std::size_t head = sizeof(kRendezvousMagic) + 4 + 4 + 8;
-  if (data.size() < head + 8 || std::memcmp(data.data(), kRendezvousMagic, sizeof(kRendezvousMagic)) != 0) {
+  if (data.size() < sizeof(kRendezvousMagic) ||
+      std::memcmp(data.data(), kRendezvousMagic, sizeof(kRendezvousMagic)) != 0) {
     r.why = "it is not a tandem rendezvous file";
+    r.foreign = true;
+    return r;
+  }
+  if (data.size() < head + 8) {
+    r.why = "it is shorter than a rendezvous file's header (truncated?)";
+    return r;
+  }
+  if (data.size() > kRendezvousMaxFile) {
+    r.why = "it is over the " + std::to_string(kRendezvousMaxFile) + " bytes a rendezvous file holds";
     return r;
   }
   std::uint32_t version = 0, key_bytes = 0;
@@ -175,7 +193,19 @@ struct BlobRemoval {
 /// naming the path and the system's reason when it cannot, and when `path` already holds a file with `key`: an
 /// earlier use of the key left it, and readers may have taken its blob for this one's (the file is removed, so that
 /// the next run starts clean; give each run a key of its own, see the top of this file).
+/// Throws too, changing nothing, for an empty key, a file over 16 MiB (a blob for a rendezvous, not data), and where
+/// `path` holds a file that is not a rendezvous file (tandem replaces only its own).
 inline void publish_blob(const std::string& path, std::string_view key, std::span<const std::byte> blob) {
+  if (key.empty())
+    detail::fail("tandem: publish_blob: the key is empty; pass a key unique to the run (docs/launching.md)");
+  if (blob.size() > detail::kRendezvousMaxFile || key.size() > detail::kRendezvousMaxFile - blob.size() ||
+      detail::rendezvous_file_bytes(key.size(), blob.size()) > detail::kRendezvousMaxFile)
+    detail::fail("tandem: publish_blob: a " + std::to_string(blob.size()) + "-byte blob with a " +
+                 std::to_string(key.size()) + "-byte key makes a rendezvous file over the " +
+                 std::to_string(detail::kRendezvousMaxFile) + " bytes readers read; a rendezvous shares a small blob");
+  if (const detail::RendezvousRead there = detail::read_rendezvous(path, key); there.foreign)
+    detail::fail("tandem: publish_blob: `" + path + "` holds a file that is not a tandem rendezvous file, which " +
+                 "publish_blob does not replace; pass a path of its own to the rendezvous");
   if (remove_blob(path, key))
     detail::fail("tandem: publish_blob: `" + path + "` already holds a rendezvous file with key \"" + std::string(key) +
                  "\", left by an earlier run with the same key (one that ended before removing it, or one running "

@@ -6,17 +6,21 @@
 //   openmpi    OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE
 //   torchrun   RANK, WORLD_SIZE / LOCAL_RANK, LOCAL_WORLD_SIZE / MASTER_ADDR, MASTER_PORT
 //   pmi        PMI_RANK, PMI_SIZE (MPICH's Hydra, srun --mpi=pmi2) / MPI_LOCALRANKID, MPI_LOCALNRANKS (Hydra's);
-//              inside a SLURM job step without them (srun --mpi=pmi2), SLURM_LOCALID and SLURM_TASKS_PER_NODE
-//   slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) / SLURM_LOCALID, SLURM_TASKS_PER_NODE at
-//              SLURM_NODEID; only inside a job step (SLURM_STEP_ID set): a batch script's own environment says
-//              SLURM_PROCID=0 of all the job's tasks, which is no launch at all
+//              inside a SLURM job step without them (srun --mpi=pmi2), SLURM_LOCALID and the step's per-node list
+//   slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS) / SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE (or
+//              SLURM_TASKS_PER_NODE, which srun --preserve-env leaves at the job's) at SLURM_NODEID; only inside a job
+//              step (SLURM_STEP_ID set): a batch script's own environment says SLURM_PROCID=0 of all the job's tasks,
+//              which is no launch at all
 //
 // When several launchers' variables are present (mpirun inside a SLURM allocation, torchrun inside srun), the most
 // specific wins in the order above, the process-level launcher over the allocation, and describe() lists the others as
-// ignored. Within the launcher it picks, inconsistent or malformed values (a rank not below the size, a local size
-// above the world size, "3x") throw tandem::error naming the variables.
+// ignored. Open MPI's and torchrun's variables that disagree throw: torchrun's workers started by mpirun inherit
+// mpirun's, and which launcher started this process is not in the environment. Within the launcher it picks,
+// inconsistent or malformed values (a rank not below the size, a local size above the world size, "3x") throw
+// tandem::error naming the variables. With no launcher, the process is rank 0 of 1, local rank 0 of 1.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -63,7 +67,7 @@ struct LaunchInfo {
     std::string s;
     if (launcher == Launcher::none) {
       s = "tandem: no launcher found (looked for OMPI_COMM_WORLD_RANK/SIZE from mpirun, RANK/WORLD_SIZE from torchrun, "
-          "PMI_RANK/PMI_SIZE, SLURM_PROCID in an srun job step); running as rank 0 of 1";
+          "PMI_RANK/PMI_SIZE, SLURM_PROCID in an srun job step); running as rank 0 of 1, local rank 0 of 1";
     } else {
       s = std::string("tandem: launched by ") + launcher_name(launcher) + ": rank " + std::to_string(rank) + " of " +
           std::to_string(world_size);
@@ -99,15 +103,13 @@ inline std::optional<int> env_int(const EnvironmentLookup& env, const char* name
   const char* v = env(name);
   if (v == nullptr) return std::nullopt;
   const std::string text(v);
+  const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  const std::size_t first = digits ? std::min(text.find_first_not_of('0'), text.size() - 1) : 0;  // (leading zeros)
+  if (!digits || text.size() - first > 9)
+    fail(std::string("tandem: detect_launch: ") + name + " is \"" + text + "\", " +
+         (digits ? "too large (at most 9 digits)" : "not a non-negative integer") + "; fix or unset it");
   long long value = 0;
-  bool ok = !text.empty() && text.size() <= 9;
-  for (const char c : text) {
-    ok = ok && c >= '0' && c <= '9';
-    if (ok) value = value * 10 + (c - '0');
-  }
-  if (!ok)
-    fail(std::string("tandem: detect_launch: ") + name + " is \"" + text +
-         "\", not a non-negative integer; fix or unset it");
+  for (std::size_t i = first; i < text.size(); ++i) value = value * 10 + (text[i] - '0');
   if (found != nullptr) found->push_back(std::string(name) + "=" + text);
   return static_cast<int>(value);
 }
@@ -182,16 +184,22 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
 
   LaunchInfo info;
   const Candidate* chosen = nullptr;
+  std::vector<const Candidate*> others;
   for (const Candidate& c : candidates) {
     if (!present(c)) continue;
     if (chosen == nullptr) {
       chosen = &c;
       continue;
     }
+    others.push_back(&c);
     for (const char* name : {c.rank, c.size})
       if (const char* v = env(name)) info.ignored.push_back(std::string(name) + "=" + v);
   }
-  if (chosen == nullptr) return info;
+  if (chosen == nullptr) {
+    info.local_rank = 0;  // the only process of its job
+    info.local_size = 1;
+    return info;
+  }
   const Candidate& c = *chosen;
   info.launcher = c.launcher;
 
@@ -207,6 +215,23 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
   }
   info.rank = *rank;
   info.world_size = *size;
+  // torchrun's workers started by mpirun inherit mpirun's variables, which win the order above although torchrun is
+  // the launcher that started them (torchrun's own order over PMI's, and every launcher's over SLURM's, is that of the
+  // nesting): where the two disagree, which one started this process is not in its environment.
+  for (const Candidate* o : others) {
+    if (c.launcher != Launcher::openmpi || o->launcher != Launcher::torchrun) continue;
+    const char *orank = env(o->rank), *osize = env(o->size);
+    if (orank == nullptr || osize == nullptr) continue;
+    if (std::string(orank) == std::to_string(info.rank) && std::string(osize) == std::to_string(info.world_size))
+      continue;
+    detail::fail(std::string("tandem: detect_launch: the variables of two launchers disagree: ") + c.rank + "=" +
+                 std::to_string(info.rank) + ", " + c.size + "=" + std::to_string(info.world_size) + " (" +
+                 launcher_name(c.launcher) + ") and " + o->rank + "=" + orank + ", " + o->size + "=" + osize + " (" +
+                 launcher_name(o->launcher) +
+                 "): torchrun started by mpirun? Which one started this process is not in "
+                 "its environment; unset mpirun's variables in the processes torchrun starts (`mpirun ... env -u "
+                 "OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE torchrun ...`), or start the ranks with one launcher");
+  }
   // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's local variables: the job step's say where it sits, when
   // the step's tasks are the PMI ranks (not a launcher's proxies started by srun).
   const auto same = [&](const char* slurm, int value) {
@@ -219,22 +244,31 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
                                   (env("SLURM_STEP_NUM_TASKS") == nullptr && same("SLURM_NTASKS", info.world_size)));
   const char* local_rank_var = pmi_in_slurm_step ? "SLURM_LOCALID" : c.local_rank;
   const char* local_size_var = pmi_in_slurm_step ? nullptr : c.local_size;
+  if (pmi_in_slurm_step) {  // the step's variables were read, to match its tasks with the PMI ranks: not ignored
+    std::erase_if(info.ignored, [](const std::string& v) { return v.starts_with("SLURM_"); });
+    const char* tasks = env("SLURM_STEP_NUM_TASKS") != nullptr ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+    for (const char* name : {"SLURM_PROCID", tasks}) info.found.push_back(std::string(name) + "=" + env(name));
+  }
+  // The tasks of each node of the job step: srun sets SLURM_STEP_TASKS_PER_NODE always, and SLURM_TASKS_PER_NODE to
+  // the same unless told to keep the caller's environment (--preserve-env: the job's list).
+  const char* per_node_var =
+      env("SLURM_STEP_TASKS_PER_NODE") != nullptr ? "SLURM_STEP_TASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
   info.local_rank = detail::env_int(env, local_rank_var, &info.found);
   if (!info.local_rank) info.missing.push_back(local_rank_var);
   if (local_size_var != nullptr) {
     info.local_size = detail::env_int(env, local_size_var, &info.found);
     if (!info.local_size) info.missing.push_back(local_size_var);
   } else {  // SLURM: the tasks of this node, from the per-node list
-    const char* spec = env("SLURM_TASKS_PER_NODE");
+    const char* spec = env(per_node_var);
     const std::optional<int> node = detail::env_int(env, "SLURM_NODEID", &info.found);
-    if (spec == nullptr) info.missing.push_back("SLURM_TASKS_PER_NODE");
+    if (spec == nullptr) info.missing.push_back("SLURM_STEP_TASKS_PER_NODE");
     if (!node) info.missing.push_back("SLURM_NODEID");
     if (spec != nullptr && node) {
-      info.found.push_back(std::string("SLURM_TASKS_PER_NODE=") + spec);
+      info.found.push_back(std::string(per_node_var) + "=" + spec);
       info.local_size = detail::slurm_tasks_on_node(spec, *node);
       if (!info.local_size)
-        detail::fail(std::string("tandem: detect_launch (") + launcher_name(c.launcher) +
-                     "): SLURM_TASKS_PER_NODE is \"" + spec + "\" and SLURM_NODEID is " + std::to_string(*node) +
+        detail::fail(std::string("tandem: detect_launch (") + launcher_name(c.launcher) + "): " + per_node_var +
+                     " is \"" + spec + "\" and SLURM_NODEID is " + std::to_string(*node) +
                      "; expected a list like \"2(x3),1\" covering that node");
     }
   }
@@ -247,13 +281,12 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
     }
     info.master_port = detail::env_int(env, "MASTER_PORT", &info.found);
     if (!info.master_port) info.missing.push_back("MASTER_PORT");
-    if (info.master_port && *info.master_port > 65535)
+    if (info.master_port && (*info.master_port < 1 || *info.master_port > 65535))
       detail::fail("tandem: detect_launch (" + std::string(launcher_name(c.launcher)) + "): MASTER_PORT is " +
-                   std::to_string(*info.master_port) + ", not a TCP port (at most 65535); fix or unset it");
+                   std::to_string(*info.master_port) + ", not a TCP port (1 to 65535); fix or unset it");
   }
   const char* size_name = env(c.size) != nullptr ? c.size : c.size_fallback;
-  detail::check_launch(info, c.rank, size_name, local_rank_var,
-                       local_size_var ? local_size_var : "SLURM_TASKS_PER_NODE");
+  detail::check_launch(info, c.rank, size_name, local_rank_var, local_size_var ? local_size_var : per_node_var);
   return info;
 }
 
