@@ -4,10 +4,12 @@
 // must keep (overlap never slows a step, never hides more than the backward, world 1 never communicates).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -417,4 +419,28 @@ TEST_CASE("bad inputs are rejected with the field's name") {
   CHECK_THROWS_WITH_AS(sc::validate(in), doctest::Contains("accumulation_steps"), tandem::error);
   CHECK_THROWS_AS(sc::predict(gpt2_124m(), replicated, 0, sc::Inputs{}), tandem::error);
   CHECK_THROWS_AS(sc::gpt2_layout({.layers = 2, .width = 10, .heads = 3}, "bad"), tandem::error);
+  // A measured kernel bandwidth that is not a number or negative is refused, not replaced by the fraction; the
+  // fraction of HBM is at most 1; the latency is finite.
+  for (double bw : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    in = {};
+    in.kernel_bandwidth = bw;
+    CHECK_THROWS_WITH_AS(sc::validate(in), doctest::Contains("kernel_bandwidth must be finite and >= 0"),
+                         tandem::error);
+  }
+  in = {};
+  in.kernel_bandwidth_fraction = 5;
+  CHECK_THROWS_WITH_AS(sc::validate(in), doctest::Contains("must be in (0, 1]"), tandem::error);
+  in.kernel_bandwidth = 2e12;  // measured: the fraction is not used
+  CHECK_NOTHROW(sc::validate(in));
+  in = {};
+  in.collective_latency = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH_AS(sc::validate(in), doctest::Contains("collective_latency must be finite"), tandem::error);
+  // Inputs each in range whose step overflows, and a layout of no parameters: refused, not a table of inf and NaN.
+  in = {};
+  in.tokens_per_gpu = 1e308;
+  CHECK_THROWS_WITH_AS(sc::predict(gpt2_124m(), replicated, 8, in), doctest::Contains("out of the model's range"),
+                       tandem::error);
+  const sc::ModelLayout empty{"empty", {{"a", 0, "0"}}};
+  CHECK_THROWS_WITH_AS(sc::predict(empty, replicated, 2, sc::Inputs{}), doctest::Contains("has no parameters"),
+                       tandem::error);
 }

@@ -185,6 +185,15 @@ int main(int argc, char** argv) {
     sc::validate(in);
     const std::vector<sc::ModelLayout> models = {sc::load_tensor_list(tsv, "GPT-2 124M"),
                                                  sc::gpt2_layout(sc::gpt2_350m, "GPT-2 350M")};
+    // Every prediction once before any table is printed: inputs the model cannot compute with fail with no half table.
+    for (const sc::ModelLayout& model : models)
+      for (const sc::PolicyTraits& policy : sc::policies)
+        for (int world : worlds)
+          for (tandem::DType dtype : {tandem::DType::bf16, tandem::DType::fp32}) {
+            sc::Inputs with = in;
+            with.param_dtype = dtype;
+            (void)sc::predict(model, policy, world, with);
+          }
     print_inputs(in, gpu);
     for (const sc::ModelLayout& model : models) {
       std::printf("## %s (%zu tensors, %zu parameters)\n\n", model.name.c_str(), model.tensors.size(),

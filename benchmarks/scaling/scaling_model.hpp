@@ -272,6 +272,12 @@ inline void validate(const Inputs& in) {
   positive(in.peak_flops, "peak_flops");
   positive(in.mfu, "mfu");
   positive(in.hbm_bandwidth, "hbm_bandwidth");
+  if (!(in.kernel_bandwidth >= 0.0) || !std::isfinite(in.kernel_bandwidth))
+    tandem::detail::fail("tandem::scaling: Inputs::kernel_bandwidth must be finite and >= 0 (0: use the fraction)");
+  if (in.kernel_bandwidth == 0.0 && !(in.kernel_bandwidth_fraction > 0.0 && in.kernel_bandwidth_fraction <= 1.0))
+    tandem::detail::fail(
+        "tandem::scaling: Inputs::kernel_bandwidth_fraction is a fraction of the HBM bandwidth; it "
+        "must be in (0, 1]");
   positive(in.kernel_bw(), "kernel_bandwidth (or kernel_bandwidth_fraction)");
   positive(in.busbw_intra, "busbw_intra");
   positive(in.busbw_inter, "busbw_inter");
@@ -279,7 +285,8 @@ inline void validate(const Inputs& in) {
   if (in.mfu > 1.0) tandem::detail::fail("tandem::scaling: Inputs::mfu is a fraction; it must be at most 1");
   if (!(in.backward_share >= 0.0 && in.backward_share <= 1.0))
     tandem::detail::fail("tandem::scaling: Inputs::backward_share must be in [0, 1]");
-  if (!(in.collective_latency >= 0.0)) tandem::detail::fail("tandem::scaling: Inputs::collective_latency must be >= 0");
+  if (!(in.collective_latency >= 0.0) || !std::isfinite(in.collective_latency))
+    tandem::detail::fail("tandem::scaling: Inputs::collective_latency must be finite and >= 0");
   if (in.gpus_per_node < 1) tandem::detail::fail("tandem::scaling: Inputs::gpus_per_node must be at least 1");
   if (in.accumulation_steps < 1) tandem::detail::fail("tandem::scaling: Inputs::accumulation_steps must be >= 1");
   if (in.param_dtype != DType::bf16 && in.param_dtype != DType::fp32 && in.param_dtype != DType::fp16)
@@ -425,6 +432,7 @@ namespace detail {
 inline Prediction predict_step(const ModelLayout& layout, const PolicyTraits& policy, int world, const Inputs& in) {
   validate(in);
   const std::size_t psi = layout.total_numel(), p = in.param_bytes();
+  if (psi == 0) tandem::detail::fail("tandem::scaling: the layout `" + layout.name + "` has no parameters");
   const Plan plan = plan_of(layout, world, in.param_dtype);
   Prediction r;
   r.model = layout.name;
@@ -448,7 +456,7 @@ inline Prediction predict_step(const ModelLayout& layout, const PolicyTraits& po
   std::size_t covered = 0;
   for (const Bucket& b : plan.buckets()) {
     for (std::size_t t : b.tensors) covered += layout.tensors[t].numel;
-    ready.push_back(psi == 0 ? r.backward : r.backward * (static_cast<double>(covered) / static_cast<double>(psi)));
+    ready.push_back(r.backward * (static_cast<double>(covered) / static_cast<double>(psi)));
     const double grad_bytes = 4.0 * static_cast<double>(b.size);
     duration.push_back(sharded ? reduce_scatter_time(grad_bytes, world, in) : all_reduce_time(grad_bytes, world, in));
     if (sharded) r.param_comm += all_gather_time(static_cast<double>(p * b.size), world, in);
@@ -459,6 +467,12 @@ inline Prediction predict_step(const ModelLayout& layout, const PolicyTraits& po
   r.grad_comm = reductions * one_reduction;
   r.exposed_without_overlap = r.grad_comm + r.param_comm;
   r.exposed_with_overlap = reductions * exposed_after(ready, duration, r.backward) + r.param_comm;
+  // Inputs each in range can still overflow together (1e308 tokens, a bandwidth of 1e-300 GB/s): no table of inf.
+  if (!std::isfinite(r.step(Overlap::off)) || !(r.step(Overlap::on) > 0.0))
+    tandem::detail::fail("tandem::scaling: " + layout.name + " under " + policy.name + " on " + std::to_string(world) +
+                         " GPU(s): the inputs give a step of " + std::to_string(r.step(Overlap::off)) + " s (compute " +
+                         std::to_string(r.compute) + " s, kernels " + std::to_string(r.kernels) + " s, communication " +
+                         std::to_string(r.comm()) + " s), out of the model's range: check the inputs and their units");
   return r;
 }
 
