@@ -30,6 +30,9 @@ if(TARGET CUDA::cudart)
                    PATHS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/lib64/cmake")
     endif()
     add_library(tandem::cuda INTERFACE IMPORTED ${_tandem_cuda_scope})
+    # .cu files that include tandem need C++20 too: cxx_std_20 (tandem::tandem's) covers C++ only, and CMake < 3.26
+    # knows no C++20 flag for nvcc (a consumer's CUDA_STANDARD 20 adds nothing there). nvcc takes the flag twice.
+    target_compile_options(tandem::cuda INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
     if(TANDEM_CUDA_STATIC_RUNTIME AND TARGET CUDA::cudart_static)
       target_link_libraries(tandem::cuda INTERFACE tandem::tandem CUDA::cudart_static)
     else()

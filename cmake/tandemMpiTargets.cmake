@@ -16,11 +16,17 @@
 # MPI installed, FindMPI's pkg-config fallback can leave an empty MPI::MPI_CXX behind).
 set(_tandem_mpi_usable TRUE)
 if(NOT TARGET MPI::MPI_CXX)
+  # (Set for this lookup only: the installed config runs in its caller's scope, whose own setting stays its own.)
+  set(_tandem_skip_set FALSE)
   if(NOT DEFINED MPI_CXX_SKIP_MPICXX)
     set(MPI_CXX_SKIP_MPICXX TRUE)
+    set(_tandem_skip_set TRUE)
   endif()
   find_package(MPI QUIET COMPONENTS CXX)
   set(_tandem_mpi_usable ${MPI_CXX_FOUND})
+  if(_tandem_skip_set)
+    unset(MPI_CXX_SKIP_MPICXX)
+  endif()
 endif()
 
 set(TANDEM_MPI_FOUND FALSE)

@@ -3,14 +3,16 @@
 # Builds and runs tests/consumer against tandem, from ctest (tests consumer_package / consumer_subdirectory):
 #   cmake -DMODE=package|subdirectory|fetchcontent -DSOURCE_DIR=<tandem source> -DCONSUMER_DIR=<tests/consumer>
 #         -DWORK_DIR=<scratch dir> -DGENERATOR=<generator> [-DMAKE_PROGRAM=<ninja>] [-DCXX_COMPILER=<c++>]
-#         [-DBUILD_TYPE=<config>] [-DVERSION=<tandem version>] -P run_consumer.cmake
+#         [-DBUILD_TYPE=<config>] [-DVERSION=<tandem version>] [-DCUDA=ON [-DCUDA_COMPILER=<nvcc>]]
+#         -P run_consumer.cmake
 # package:      configure tandem (tests, examples, benchmarks and CUDA off), install it into WORK_DIR/prefix, then
 #               build the consumer with find_package(tandem VERSION) against that prefix.
 # subdirectory: build the consumer with add_subdirectory(SOURCE_DIR); fetchcontent: with FetchContent from SOURCE_DIR.
 #               In both, tandem's tests, examples and benchmarks must default OFF; tandem must not enable CUDA nor
 #               write CUDA settings into the cache (the consumer is C++ only; nvcc may exist); and the consumer must
 #               see tandem's headers as system headers.
-# All then run the consumer and check that it prints "tandem VERSION".
+# All then run the consumer and check that it prints "tandem VERSION". With CUDA=ON (package mode), the consumer is a
+# CUDA project too and its main.cu, built with tandem::cuda alone, runs as well (it launches nothing without a GPU).
 cmake_minimum_required(VERSION 3.25)
 
 foreach(var IN ITEMS MODE SOURCE_DIR CONSUMER_DIR WORK_DIR GENERATOR)
@@ -40,6 +42,17 @@ if(CXX_COMPILER)
   list(APPEND common_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
 endif()
 
+set(cuda_args "")
+if(CUDA)
+  if(NOT MODE STREQUAL "package")
+    message(FATAL_ERROR "run_consumer.cmake: CUDA=ON is for MODE=package")
+  endif()
+  set(cuda_args -DTANDEM_CONSUMER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)  # (one architecture: the compile only)
+  if(CUDA_COMPILER)
+    list(APPEND cuda_args "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}")
+  endif()
+endif()
+
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(consumer_build "${WORK_DIR}/consumer-build")
@@ -54,7 +67,7 @@ if(MODE STREQUAL "package")
   run("install tandem" "${CMAKE_COMMAND}" --install "${tandem_build}" --config "${BUILD_TYPE}")
   run("configure consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${consumer_build}" ${common_args}
       -DTANDEM_CONSUMER_MODE=package "-DTANDEM_EXPECTED_VERSION=${VERSION}" "-DCMAKE_PREFIX_PATH=${prefix}"
-      -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+      -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF ${cuda_args})
   # find_package must have picked the fresh install, not some other tandem on this machine.
   file(STRINGS "${consumer_build}/CMakeCache.txt" found_dir REGEX "^tandem_DIR:")
   string(FIND "${found_dir}" "${prefix}/" at)
@@ -85,9 +98,15 @@ else()
 endif()
 
 run("build consumer" "${CMAKE_COMMAND}" --build "${consumer_build}" --config "${BUILD_TYPE}")
-run("run consumer" "${consumer_build}/bin/consumer")
-message(STATUS "consumer (${MODE}): ${run_output}")
-string(FIND "${run_output}" "tandem ${VERSION}" at)
-if(VERSION AND at EQUAL -1)
-  message(FATAL_ERROR "consumer (${MODE}): expected 'tandem ${VERSION}' in the output, got: ${run_output}")
+set(programs consumer)
+if(CUDA)
+  list(APPEND programs consumer_cuda)
 endif()
+foreach(program IN LISTS programs)
+  run("run ${program}" "${consumer_build}/bin/${program}")
+  message(STATUS "${program} (${MODE}): ${run_output}")
+  string(FIND "${run_output}" "tandem ${VERSION}" at)
+  if(VERSION AND at EQUAL -1)
+    message(FATAL_ERROR "${program} (${MODE}): expected 'tandem ${VERSION}' in the output, got: ${run_output}")
+  endif()
+endforeach()

@@ -2,6 +2,12 @@
 // Compiler glue shared by every layer: host/device annotations, version.
 #pragma once
 
+// One line that says what is wrong, before the errors a C++17 compile of the headers would give (nvcc's default is
+// C++17: CMake's tandem::cuda asks for -std=c++20; a build without CMake passes it).
+#if defined(__cplusplus) && __cplusplus < 201709L && !defined(_MSVC_LANG)  // (GCC 10's -std=c++20 says 201709)
+#error "tandem needs C++20: compile with -std=c++20 (nvcc too)"
+#endif
+
 #if defined(__CUDACC__)
 #define TANDEM_HD __host__ __device__
 #define TANDEM_DEVICE_COMPILE 1
