@@ -18,15 +18,9 @@
 #include <string>
 #include <vector>
 
-namespace tiny {
+#include "tandem/core/hash.hpp"
 
-/// FNV-1a over the n bytes at `data`, continued from `h`: the example's fingerprints (of trained parameters, of a
-/// training set), equal for equal bytes.
-inline std::uint64_t fnv1a(const void* data, std::size_t n, std::uint64_t h = 0xcbf29ce484222325ull) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * 0x100000001b3ull;
-  return h;
-}
+namespace tiny {
 
 struct Examples {
   int len = 0;
@@ -34,8 +28,9 @@ struct Examples {
   std::size_t size() const { return len ? tokens.size() / std::size_t(len) : 0; }
   const int* tokens_of(std::size_t e) const { return tokens.data() + e * len; }
   const int* targets_of(std::size_t e) const { return targets.data() + e * len; }
-  /// A fingerprint of every token and target, in order.
+  /// A fingerprint of every token and target, in order (FNV-1a, as the trained parameters' in main.cpp).
   std::uint64_t fingerprint() const {
+    using tandem::detail::fnv1a;
     return fnv1a(targets.data(), targets.size() * sizeof(int), fnv1a(tokens.data(), tokens.size() * sizeof(int)));
   }
 };

@@ -142,7 +142,9 @@ void check_save_dir(const std::string& dir) {
 }
 
 /// FNV-1a over the parameters' bytes: equal fingerprints mean bitwise-equal trained models.
-std::uint64_t fingerprint(const std::vector<float>& params) { return tiny::fnv1a(params.data(), params.size() * 4); }
+std::uint64_t fingerprint(const std::vector<float>& params) {
+  return tandem::detail::fnv1a(params.data(), params.size() * sizeof(float));
+}
 
 #if defined(TINY_HAVE_MPI)
 /// Rank 0's problem (empty: none) on every process of the job, so that they all stop, or none does.

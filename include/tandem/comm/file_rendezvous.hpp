@@ -198,7 +198,7 @@ struct BlobRemoval {
 inline void publish_blob(const std::string& path, std::string_view key, std::span<const std::byte> blob) {
   if (key.empty())
     detail::fail("tandem: publish_blob: the key is empty; pass a key unique to the run (docs/launching.md)");
-  if (blob.size() > detail::kRendezvousMaxFile || key.size() > detail::kRendezvousMaxFile - blob.size() ||
+  if (key.size() > detail::kRendezvousMaxFile || blob.size() > detail::kRendezvousMaxFile ||  // (the sum below fits)
       detail::rendezvous_file_bytes(key.size(), blob.size()) > detail::kRendezvousMaxFile)
     detail::fail("tandem: publish_blob: a " + std::to_string(blob.size()) + "-byte blob with a " +
                  std::to_string(key.size()) + "-byte key makes a rendezvous file over the " +

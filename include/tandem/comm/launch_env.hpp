@@ -184,14 +184,12 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
 
   LaunchInfo info;
   const Candidate* chosen = nullptr;
-  std::vector<const Candidate*> others;
   for (const Candidate& c : candidates) {
     if (!present(c)) continue;
     if (chosen == nullptr) {
       chosen = &c;
       continue;
     }
-    others.push_back(&c);
     for (const char* name : {c.rank, c.size})
       if (const char* v = env(name)) info.ignored.push_back(std::string(name) + "=" + v);
   }
@@ -218,20 +216,17 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
   // torchrun's workers started by mpirun inherit mpirun's variables, which win the order above although torchrun is
   // the launcher that started them (torchrun's own order over PMI's, and every launcher's over SLURM's, is that of the
   // nesting): where the two disagree, which one started this process is not in its environment.
-  for (const Candidate* o : others) {
-    if (c.launcher != Launcher::openmpi || o->launcher != Launcher::torchrun) continue;
-    const char *orank = env(o->rank), *osize = env(o->size);
-    if (orank == nullptr || osize == nullptr) continue;
-    if (std::string(orank) == std::to_string(info.rank) && std::string(osize) == std::to_string(info.world_size))
-      continue;
+  const Candidate& t = candidates[1];  // torchrun's
+  if (const char* trank = env(t.rank), *tsize = env(t.size);
+      c.launcher == Launcher::openmpi && trank != nullptr && tsize != nullptr &&
+      (std::string(trank) != std::to_string(info.rank) || std::string(tsize) != std::to_string(info.world_size)))
     detail::fail(std::string("tandem: detect_launch: the variables of two launchers disagree: ") + c.rank + "=" +
                  std::to_string(info.rank) + ", " + c.size + "=" + std::to_string(info.world_size) + " (" +
-                 launcher_name(c.launcher) + ") and " + o->rank + "=" + orank + ", " + o->size + "=" + osize + " (" +
-                 launcher_name(o->launcher) +
+                 launcher_name(c.launcher) + ") and " + t.rank + "=" + trank + ", " + t.size + "=" + tsize + " (" +
+                 launcher_name(t.launcher) +
                  "): torchrun started by mpirun? Which one started this process is not in "
                  "its environment; unset mpirun's variables in the processes torchrun starts (`mpirun ... env -u "
                  "OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE torchrun ...`), or start the ranks with one launcher");
-  }
   // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's local variables: the job step's say where it sits, when
   // the step's tasks are the PMI ranks (not a launcher's proxies started by srun).
   const auto same = [&](const char* slurm, int value) {
