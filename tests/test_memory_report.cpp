@@ -123,6 +123,27 @@ TEST_CASE("the estimator rejects what a construction rejects") {
                            doctest::Contains("it must be a positive multiple of 16"), tandem::error);
 }
 
+// The plan bounds elements (2^62 of padded flat space), not bytes: a layout of millions of tensors at 2^31 ranks pads
+// its buckets to where several fp32 arrays of them pass 2^64 bytes, which wrapped to a small total before.
+TEST_CASE("memory_of refuses a report past 2^64 bytes, by product or by sum, and gives the exact bytes below it") {
+  const tandem::Plan plan({10}, tandem::PlanOptions{});
+  const tandem::BufferInputs in{.plan = plan, .storage = tandem::Storage::owned};
+  const std::size_t quarter = std::size_t{1} << 62;  // 2^62 elements: 2^64 bytes of fp32
+  const auto refuses = [&](const tandem::Buffers& b, std::size_t state_count) {
+    CHECK_THROWS_WITH_AS(tandem::memory_of(b, in, 10, state_count), doctest::Contains("more than 2^64 bytes"),
+                         tandem::error);
+  };
+  refuses({.master = quarter}, 0);                                                            // one array's bytes
+  refuses({.state = quarter / 2}, 2);                                                         // state_count x state x 4
+  refuses({.grad_slots = 4, .grad_slot_size = quarter / 4}, 0);                               // slots x slot size x 4
+  refuses({.master = quarter / 2, .state = quarter / 4}, 2);                                  // the total: 2^63 + 2^63
+  refuses({.param_flat = quarter / 2, .grad_flat = quarter / 4, .staging = quarter / 4}, 0);  // params + grads
+  const tandem::MemoryReport r = tandem::memory_of({.master = quarter / 4, .state = quarter / 8}, in, 10, 2);
+  CHECK(r.master_weights == quarter);
+  CHECK(r.optimizer_state == quarter);
+  CHECK(r.total() == 2 * quarter);
+}
+
 // The ZeRO paper's table (Rajbhandari et al. 2020, Figure 1): Psi = 7.5e9 parameters, N = 64, 16-bit parameters and
 // gradients, fp32 master weights and Adam moments. Model states per device: 120, 31.4, 16.6 GB. tandem's owned
 // storage keeps the reduced gradient shard in fp32 (4 Psi / N rather than 2 Psi / N), so its ZeRO-2 figure is

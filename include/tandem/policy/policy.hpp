@@ -9,6 +9,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <string>
 
 #include "tandem/comm/communicator.hpp"
 #include "tandem/core/dtype.hpp"
@@ -74,27 +75,75 @@ struct Buffers {
   DType grad_shard_dtype = DType::fp32;
 };
 
+namespace detail {
+
+/// Bytes of a memory report, summed as a + b × c... where a product or a sum past 2^64 bytes throws: the plan bounds
+/// elements (2^62 of the padded flat space), not the bytes of several arrays of them, which estimate_memory can be
+/// asked for (2^47 parameters at 2^31 ranks, say) though no rank could allocate them.
+class ByteCount {
+ public:
+  ByteCount& add(std::size_t elements, std::size_t bytes_each) {
+    if (bytes_each != 0 && elements > max / bytes_each) overflow();
+    return add(elements * bytes_each);
+  }
+  ByteCount& add(std::size_t bytes) {
+    if (bytes > max - value_) overflow();
+    value_ += bytes;
+    return *this;
+  }
+  std::size_t value() const { return value_; }
+
+ private:
+  static constexpr std::size_t max = static_cast<std::size_t>(-1);
+  [[noreturn]] static void overflow() {
+    fail("tandem: the memory per rank of this layout comes to more than 2^64 bytes (" + std::to_string(max) +
+         "); fewer parameters or ranks");
+  }
+  std::size_t value_ = 0;
+};
+
+/// Bytes of `count` arrays of `elements` elements of `bytes_each` bytes, or tandem::error past 2^64.
+inline std::size_t bytes_of(std::size_t count, std::size_t elements, std::size_t bytes_each) {
+  return ByteCount{}.add(ByteCount{}.add(count, elements).value(), bytes_each).value();
+}
+
+/// Throws tandem::error unless `r.total()` fits in 2^64 bytes.
+inline void check_total(const MemoryReport& r) {
+  ByteCount{}.add(r.params).add(r.grads).add(r.master_weights).add(r.optimizer_state).add(r.buckets).add(r.pack_tables);
+}
+
+}  // namespace detail
+
 /// The memory report of a set of buffers: the categories of MemoryReport, one rule for every policy. `numel` is the
 /// layout's element count (the user's buffers' size with Storage::user); `state_count` the optimizer's arrays.
 /// `pack_tables` is left 0: the tables are not buffers of the policy's rule (DataParallel and estimate_memory add
-/// them).
+/// them). Throws tandem::error where a category or the total would pass 2^64 bytes.
 inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::size_t numel, std::size_t state_count) {
+  using detail::bytes_of;
   const std::size_t p = dtype_size(in.param_dtype), f = sizeof(float);
-  const std::size_t shard = b.grad_shard * dtype_size(b.grad_shard_dtype);
+  const std::size_t shard = bytes_of(1, b.grad_shard, dtype_size(b.grad_shard_dtype));
   MemoryReport r;
-  r.master_weights = b.master * f;
-  r.optimizer_state = state_count * b.state * f;
-  const std::size_t transient = (b.grad_slots * b.grad_slot_size + b.staging) * f +
-                                b.param_slots * b.param_slot_size * p + b.reduce_buffer * dtype_size(in.reduce_dtype);
+  r.master_weights = bytes_of(1, b.master, f);
+  r.optimizer_state = bytes_of(state_count, b.state, f);
+  const std::size_t transient = detail::ByteCount{}
+                                    .add(bytes_of(b.grad_slots, b.grad_slot_size, f))
+                                    .add(bytes_of(1, b.staging, f))
+                                    .add(bytes_of(b.param_slots, b.param_slot_size, p))
+                                    .add(bytes_of(1, b.reduce_buffer, dtype_size(in.reduce_dtype)))
+                                    .value();
+  const std::size_t flat_params =
+      detail::ByteCount{}.add(bytes_of(1, b.param_flat, p)).add(bytes_of(1, b.param_shard, p)).value();
+  const std::size_t flat_grads = detail::ByteCount{}.add(bytes_of(1, b.grad_flat, f)).add(shard).value();
   if (in.storage == Storage::user) {
-    r.params = numel * p;
-    r.grads = numel * p;
-    r.buckets = (b.param_flat + b.param_shard) * p + b.grad_flat * f + shard + transient;
+    r.params = bytes_of(1, numel, p);
+    r.grads = r.params;
+    r.buckets = detail::ByteCount{}.add(flat_params).add(flat_grads).add(transient).value();
   } else {
-    r.params = (b.param_flat + b.param_shard) * p;
-    r.grads = b.grad_flat * f + shard;
+    r.params = flat_params;
+    r.grads = flat_grads;
     r.buckets = transient;
   }
+  detail::check_total(r);
   return r;
 }
 
