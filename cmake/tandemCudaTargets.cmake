@@ -11,7 +11,9 @@
 #                 then under NCCL_ROOT / NCCL_HOME, then in the system paths)
 #
 # Input:  _tandem_cuda_scope  "GLOBAL" (build tree: a parent project must see the targets) or empty.
-# Output: TANDEM_CUDA_FOUND, TANDEM_NCCL_FOUND, TANDEM_NCCL_VERSION; cache: TANDEM_NCCL_INCLUDE_DIR, TANDEM_NCCL_LIBRARY.
+# Output: TANDEM_CUDA_FOUND, TANDEM_NCCL_FOUND, TANDEM_NCCL_VERSION, TANDEM_NCCL_PROBLEM (why an nccl.h and libnccl
+#         that were found are not used: an NCCL older than TANDEM_NCCL_MINIMUM); cache: TANDEM_NCCL_INCLUDE_DIR,
+#         TANDEM_NCCL_LIBRARY.
 
 if(NOT TARGET CUDA::cudart)
   find_package(CUDAToolkit QUIET ${_tandem_cuda_scope})
@@ -20,6 +22,10 @@ endif()
 set(TANDEM_CUDA_FOUND FALSE)
 set(TANDEM_NCCL_FOUND FALSE)
 set(TANDEM_NCCL_VERSION "")
+set(TANDEM_NCCL_PROBLEM "")
+# ncclCommInitRankConfig, ncclCommFinalize and non-blocking communicators (ncclInProgress) came in NCCL 2.14
+# (comm/nccl.hpp checks the same at compile time).
+set(TANDEM_NCCL_MINIMUM 2.14)
 
 if(TARGET CUDA::cudart)
   set(TANDEM_CUDA_FOUND TRUE)
@@ -66,13 +72,22 @@ if(TARGET CUDA::cudart)
   mark_as_advanced(TANDEM_NCCL_INCLUDE_DIR TANDEM_NCCL_LIBRARY)
 
   if(TANDEM_NCCL_INCLUDE_DIR AND TANDEM_NCCL_LIBRARY)
-    set(TANDEM_NCCL_FOUND TRUE)
     file(STRINGS "${TANDEM_NCCL_INCLUDE_DIR}/nccl.h" _tandem_nccl_defines REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
     foreach(_tandem_part IN ITEMS MAJOR MINOR PATCH)
       string(REGEX MATCH "NCCL_${_tandem_part} +([0-9]+)" _tandem_match "${_tandem_nccl_defines}")
       list(APPEND TANDEM_NCCL_VERSION "${CMAKE_MATCH_1}")
     endforeach()
     list(JOIN TANDEM_NCCL_VERSION "." TANDEM_NCCL_VERSION)
+    if(NOT TANDEM_NCCL_VERSION MATCHES "^[0-9]+\\.[0-9]+\\.[0-9]+$")
+      set(TANDEM_NCCL_PROBLEM "${TANDEM_NCCL_INCLUDE_DIR}/nccl.h defines no NCCL_MAJOR, NCCL_MINOR and NCCL_PATCH")
+    elseif(TANDEM_NCCL_VERSION VERSION_LESS TANDEM_NCCL_MINIMUM)
+      string(CONCAT TANDEM_NCCL_PROBLEM "NCCL ${TANDEM_NCCL_VERSION} (${TANDEM_NCCL_INCLUDE_DIR}/nccl.h) is older "
+                    "than ${TANDEM_NCCL_MINIMUM}, which tandem needs")
+    else()
+      set(TANDEM_NCCL_FOUND TRUE)
+    endif()
+  endif()
+  if(TANDEM_NCCL_FOUND)
     if(NOT TARGET tandem::nccl)
       add_library(tandem::nccl INTERFACE IMPORTED ${_tandem_cuda_scope})
       target_include_directories(tandem::nccl INTERFACE "${TANDEM_NCCL_INCLUDE_DIR}")

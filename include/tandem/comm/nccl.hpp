@@ -25,6 +25,14 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+// ncclCommInitRankConfig, ncclCommFinalize and non-blocking communicators came in 2.14 (the CMake targets check the
+// same: cmake/tandemCudaTargets.cmake).
+#if !defined(NCCL_VERSION_CODE) || !defined(NCCL_VERSION)
+#error "tandem needs NCCL 2.14 or later (this nccl.h defines no NCCL_VERSION_CODE)"
+#elif NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "tandem needs NCCL 2.14 or later (ncclCommInitRankConfig, ncclCommFinalize, non-blocking communicators)"
+#endif
+
 #include <chrono>
 #include <cstddef>
 #include <cstdio>
