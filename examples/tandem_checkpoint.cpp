@@ -12,6 +12,7 @@
 //                                                   DataParallel::load_checkpoint(DIR) takes as initial parameters;
 //                                                   a training run's checkpoint in DIR is refused unless --replace
 //   tandem_checkpoint --help                        this usage, on stdout
+// (A path may not start with '-': `./-x` names such a file.)
 //
 // Exit codes: 0 done, 1 the checkpoint or a file is at fault (the message says which and why), 2 bad arguments.
 #include <cstdio>
@@ -24,8 +25,15 @@
 
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
+  // A DIR, OUT or IN that starts with '-' is a flag in the wrong place (`consolidate DIR --all` without OUT, say),
+  // never a path to write: the usage, not a file named "--all".
+  const auto paths = [&](std::size_t n) {
+    for (std::size_t i = 1; i <= n && i < args.size(); ++i)
+      if (args[i].starts_with("-")) return false;
+    return true;
+  };
   try {
-    if (args.size() == 2 && args[0] == "verify") {
+    if (args.size() == 2 && args[0] == "verify" && paths(1)) {
       const tandem::CheckpointSummary s = tandem::verify_checkpoint(args[1]);
       const tandem::CheckpointManifest& m = s.manifest;
       std::printf("%s: step %llu, saved by %s at %u ranks, %zu %s tensors%s, %zu files, %llu bytes: verified\n",
@@ -37,7 +45,7 @@ int main(int argc, char** argv) {
                     tandem::detail::json::quote(value).c_str());
       return 0;
     }
-    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--all")) && args[0] == "consolidate") {
+    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--all")) && args[0] == "consolidate" && paths(2)) {
       const bool all = args.size() == 4;
       const std::uint64_t bytes =
           tandem::consolidate_checkpoint(args[1], args[2], all ? tandem::Arrays::all : tandem::Arrays::parameters);
@@ -46,7 +54,7 @@ int main(int argc, char** argv) {
                   static_cast<unsigned long long>(bytes));
       return 0;
     }
-    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--replace")) && args[0] == "import") {
+    if ((args.size() == 3 || (args.size() == 4 && args[3] == "--replace")) && args[0] == "import" && paths(2)) {
       const tandem::CheckpointManifest m = tandem::import_parameters(
           args[1], args[2],
           args.size() == 4 ? tandem::ExistingCheckpoint::replace : tandem::ExistingCheckpoint::refuse);

@@ -474,6 +474,27 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
                        tandem::error);
   CHECK(shard_files(dir) == before);
   CHECK(!tandem::verify_checkpoint(dir).manifest.parameters_only);
+  // A file of every array is no model's parameters (it would import, and no load could take it): refused, no trace.
+  const std::string from_all = temp_path("imported_all");
+  std::string first = model.tensors()[0].name;  // the names are checked in order: state0/<the first> comes first
+  for (const auto& t : model.tensors()) first = std::min(first, t.name);
+  const std::string refusal =
+      "holds `state0/" + first + "` beside `" + first + "`: the master weights or optimizer state of a file of every";
+  CHECK_THROWS_WITH_AS(tandem::import_parameters(all, from_all), doctest::Contains(refusal.c_str()), tandem::error);
+  CHECK(!std::filesystem::exists(from_all));
+  // A consolidated file is never written into the checkpoint it reads (over its manifest, a shard, or beside them),
+  // whatever path names it: the checkpoint stays whole.
+  const std::string link = temp_path("tools_link");
+  std::filesystem::create_directory_symlink(dir, link);
+  for (const std::string& target : {dir + "/manifest.json", before[0], dir + "/./extra.safetensors", dir,
+                                    dir + "/new/x.safetensors", link + "/manifest.json"}) {
+    CAPTURE(target);
+    CHECK_THROWS_WITH_AS(tandem::consolidate_checkpoint(dir, target), doctest::Contains("is inside the checkpoint"),
+                         tandem::error);
+  }
+  std::filesystem::remove(link);
+  CHECK(shard_files(dir) == before);
+  CHECK(tandem::verify_checkpoint(dir).manifest.step == 4);
   {
     const std::string copy = temp_path("tools_copy");
     std::filesystem::copy(dir, copy);

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "tandem/backend/host.hpp"
@@ -100,11 +102,58 @@ TANDEM_COLD inline std::uint32_t checkpoint_digest(const std::string& dir) {
   return crc;
 }
 
+namespace detail {
+
+/// Throws tandem::error where the path `out` is the directory `dir` or lies inside it, symbolic links resolved: a file
+/// written there would replace the checkpoint's manifest or a shard while it is read, or sit among its files.
+TANDEM_COLD inline void check_outside(const std::string& dir, const std::string& out, const char* what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path d = fs::weakly_canonical(dir, ec);
+  if (ec) return;  // nothing to compare with: the read of the checkpoint says what is wrong with `dir`
+  const fs::path o = fs::weakly_canonical(out, ec);
+  if (ec) return;
+  for (fs::path p = o; !p.empty(); p = p.parent_path()) {
+    if (p == d)
+      fail(std::string("tandem: ") + what + ": `" + out + "` is inside the checkpoint directory `" + dir +
+           "`, which it reads; write it elsewhere. Nothing was changed");
+    if (p == p.parent_path()) break;
+  }
+}
+
+/// Throws tandem::error where the safetensors file `in` holds a tensor `<name>` beside `master/<name>` or
+/// `state<k>/<name>`: consolidate_checkpoint's Arrays::all, whose extra arrays are no model's parameters.
+TANDEM_COLD inline void check_not_all_arrays(const SafetensorsFile& file, const std::string& in) {
+  std::vector<std::string_view> names;
+  for (const SafetensorsFile::Tensor& t : file.tensors()) names.push_back(t.name);
+  std::sort(names.begin(), names.end());
+  const auto held = [&](std::string_view name) { return std::binary_search(names.begin(), names.end(), name); };
+  for (const std::string_view name : names) {
+    std::size_t prefix = 0;
+    if (name.starts_with("master/")) {
+      prefix = 7;
+    } else if (name.starts_with("state")) {
+      std::size_t at = 5;
+      while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+      if (at > 5 && at < name.size() && name[at] == '/') prefix = at + 1;
+    }
+    if (prefix != 0 && held(name.substr(prefix)))
+      fail("tandem: import_parameters: `" + in + "` holds " + naming("", name, " beside ") +
+           naming("", name.substr(prefix), "") +
+           ": the master weights or optimizer state of a file of every array (consolidate_checkpoint with "
+           "Arrays::all, tandem_checkpoint consolidate --all), which no model's parameters are; import a file of "
+           "the parameters alone (consolidate without --all). Nothing was changed");
+  }
+}
+
+}  // namespace detail
+
 /// Writes the checkpoint in `dir` to the safetensors file `out` (atomically), every tensor whole and 1-D, each array
 /// checked against its checksums as it is read; the file's metadata records the step, the policy, the optimizer and
-/// the program's metadata ("metadata/<key>"). Returns the number of bytes written.
+/// the program's metadata ("metadata/<key>"). Returns the number of bytes written. `out` may not lie inside `dir`.
 TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, const std::string& out,
                                                         Arrays which = Arrays::parameters) {
+  detail::check_outside(dir, out, "consolidate_checkpoint");
   const CheckpointManifest m = detail::read_manifest(dir);
   std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
   if (which == Arrays::parameters) arrays.resize(1);
@@ -132,7 +181,9 @@ enum class ExistingCheckpoint {
 /// Makes the safetensors file `in` (all of its tensors of one dtype: F32, BF16 or F16; any shapes, flattened) a
 /// parameters-only checkpoint in `dir`, replacing a parameters-only checkpoint there. Where `dir` holds a training
 /// run's checkpoint (optimizer state, or a manifest.json that does not read), it throws and changes nothing unless
-/// `existing` is ExistingCheckpoint::replace. Returns the new manifest.
+/// `existing` is ExistingCheckpoint::replace. A file of every array (consolidate_checkpoint's Arrays::all: a tensor
+/// `<name>` beside `master/<name>` or `state<k>/<name>`) is refused: no model has those tensors, so no
+/// load_checkpoint could take the checkpoint. Returns the new manifest.
 TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, const std::string& dir,
                                                         ExistingCheckpoint existing = ExistingCheckpoint::refuse) {
   if (existing == ExistingCheckpoint::refuse && std::filesystem::exists(dir + "/" + detail::manifest_name)) {
@@ -152,6 +203,7 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
   }
   const SafetensorsFile file(in);
   if (file.tensors().empty()) file.corrupt("it holds no tensors");
+  detail::check_not_all_arrays(file, in);
   CheckpointManifest m;
   m.policy = "imported";
   m.param_dtype = file.tensors()[0].dtype;
