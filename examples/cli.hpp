@@ -23,14 +23,14 @@ inline int parse_command_line(CLI::App& app, int argc, char** argv) {
   }
 }
 
-/// A check of a number against 0: above it (`zero_allowed` false) or at least it; NaN is refused.
+/// A check of a number against 0: above it (`zero_allowed` false) or at least it; NaN and infinities are refused.
 inline CLI::Validator sign_check(bool zero_allowed, const std::string& name) {
   return CLI::Validator(
       [zero_allowed](std::string& text) -> std::string {
         double v = 0;
         if (!CLI::detail::lexical_cast(text, v)) return "`" + text + "` is not a number";
-        if (std::isnan(v) || v < 0 || (!zero_allowed && v == 0))
-          return "`" + text + "` must be " + (zero_allowed ? "0 or more" : "above 0");
+        if (!std::isfinite(v) || v < 0 || (!zero_allowed && v == 0))
+          return "`" + text + "` must be a finite number " + (zero_allowed ? "0 or more" : "above 0");
         return {};
       },
       name);

@@ -101,11 +101,12 @@ std::size_t parse_count(const std::string& flag, const std::string& text, std::s
   return value;
 }
 
-/// A bucket cap given in MiB (a positive number, fractions allowed), in bytes.
+/// A bucket cap given in MiB (a positive decimal number, fractions allowed), in bytes.
 std::size_t parse_mib(const std::string& flag, const std::string& text) {
   char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0) || v > 1e12)
+  const double v = std::strtod(text.c_str(), &end);  // (strtod alone would take " 25", "0x10" or "infinity")
+  if (text.empty() || text.find_first_not_of("0123456789.eE+-") != std::string::npos ||
+      end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0) || v > 1e12)
     throw usage_error(flag + " expects a positive number of MiB (e.g. 25 or 0.5), got '" + text + "'");
   const long long bytes = std::llround(v * mib);
   if (bytes < 4) throw usage_error(flag + " must be at least 4 bytes (one fp32 gradient), got '" + text + "' MiB");

@@ -228,7 +228,8 @@ int main(int argc, char** argv) {
       ->excludes(text_opt);
   app.add_option("--untimed-steps", cfg.untimed_steps, "leave the first steps out of the time and tokens/s")
       ->check(examples::non_negative);
-  app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights");
+  app.add_option("--seed", cfg.seed, "seed of the data order, the data (sort task) and the initial weights")
+      ->check(examples::non_negative);
   app.add_flag("--bf16", bf16, "bf16 parameters and gradients (fp32 master weights in tandem)");
   app.add_option("--reduce-dtype", reduce_dtype,
                  "the dtype gradients cross ranks in: fp32, or bf16 for half the bytes (micro-steps accumulate in "
