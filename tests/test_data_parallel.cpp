@@ -122,8 +122,7 @@ Params train_reference(const Config& c, int pieces = 1) {
 
 template <class Policy, class Optimizer, class T>
 Params train_tandem(const Config& c, const typename Optimizer::Options& options) {
-  Params result;
-  std::mutex m;
+  std::vector<Params> results(static_cast<std::size_t>(c.world));
   tandem::LocalGroup group(c.world);
   group.run([&](tandem::LocalComm& comm) {
     mlp::Mlp<T> model(dims, init_seed + static_cast<std::uint64_t>(comm.rank()) * 1000);  // rank 0's init wins
@@ -145,6 +144,8 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
           const tandem::StepResult r = dp.step();
           REQUIRE(r.updated == (micro + 1 == c.accumulation));
           REQUIRE(!r.skipped);
+          // Every configuration that clips sets its threshold under every step's norm: the steps compared are clipped.
+          if (r.updated && c.max_grad_norm > 0.0f) REQUIRE(r.clip_coefficient < 1.0f);
         }
       sync_out();
     };
@@ -186,12 +187,13 @@ Params train_tandem(const Config& c, const typename Optimizer::Options& options)
           },
           views_to_params);
     }
-    if (comm.rank() == c.world - 1) {  // any rank: all must agree, checked below via rank 0 vs last
-      std::lock_guard lock(m);
-      result = as_float(model.params());
-    }
+    results[static_cast<std::size_t>(comm.rank())] = as_float(model.params());  // each rank its own entry
   });
-  return result;
+  for (std::size_t r = 1; r < results.size(); ++r) {  // every rank holds the same parameters, bit for bit
+    CAPTURE(r);
+    CHECK(bitwise_equal(results[r], results[0]));
+  }
+  return results[0];
 }
 
 template <class T>
@@ -526,7 +528,7 @@ TEST_CASE_TEMPLATE(
       return w;
     };
     const std::vector<float> eager = train(false, tandem::ParametersReady::at_step);
-    CHECK(eager != std::vector<float>(n, 0.0f));
+    CHECK(eager != QuadraticProblem(n).w);  // the steps moved the parameters from where they start
     for (const tandem::ParametersReady ready : {tandem::ParametersReady::at_step, tandem::ParametersReady::by_bucket}) {
       CAPTURE(ready);
       const std::vector<float> replayed = train(true, ready);

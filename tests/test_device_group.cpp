@@ -177,7 +177,11 @@ TEST_CASE(
     CHECK(threw == 3);
   }
   SUBCASE("timeout") {
+    // Rank 1 comes back only after 400 ms: rank 0 must have timed out at 100 ms, not have learnt at 400 ms that rank 1
+    // returned (a plain tandem::error, which a missing timeout would give).
     Group group(2, {}, {.timeout = 100ms});
+    std::string message;
+    double waited_ms = 0;
     CHECK_THROWS_AS(group.run([&](Comm& comm) {
       if (comm.rank() == 1) {
         std::this_thread::sleep_for(400ms);
@@ -185,9 +189,19 @@ TEST_CASE(
       }
       tandem::HostStream stream;
       std::vector<float> x(8, 1.0f);
-      comm.all_reduce(x.data(), x.data(), 8, DType::fp32, ReduceOp::sum, stream.stream());
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        comm.all_reduce(x.data(), x.data(), 8, DType::fp32, ReduceOp::sum, stream.stream());
+      } catch (const tandem::error& e) {
+        waited_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        message = e.what();
+        throw;
+      }
     }),
-                    tandem::error);
+                    tandem::timeout_error);
+    CHECK(message.find("timed out after 100 ms") != std::string::npos);
+    CHECK(waited_ms >= 99.0);
+    CHECK(waited_ms < 350.0);
   }
   SUBCASE("a rank throws") {
     Group group(3);

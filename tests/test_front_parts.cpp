@@ -215,6 +215,10 @@ void check_kernels() {
     const double step = g == 0.0 ? 0.0 : 0.5 * g / (std::abs(g) + 1e-8);  // m̂ / (sqrt(v̂) + eps) at t = 1
     REQUIRE(tandem::convert<float>(p[i]) ==
             doctest::Approx(tandem::convert<float>(params[i]) - step).epsilon(1e-2).scale(1e-2));
+    // The step at t = 1 is ±lr whatever g's size, so the moments show that the update read grad_scale and every G
+    // value whole: m = (1 - beta1) g, v = (1 - beta2) g^2 (fp32 arithmetic, within a few ulps).
+    REQUIRE(m[i] == doctest::Approx((1.0 - o.beta1) * g).epsilon(1e-6).scale(1e-30));
+    REQUIRE(v[i] == doctest::Approx((1.0 - o.beta2) * g * g).epsilon(1e-5).scale(1e-30));
   }
 }
 

@@ -297,8 +297,15 @@ TEST_CASE("wait_for_blob skips a stale file with another key, and a torn file, u
     std::filesystem::remove(path + ".torn");
   }
   const std::array<std::byte, 4> new_blob{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}};
+  // The waiter meets the stale file, then a torn file of the right key at the path itself (a writer that is not
+  // atomic, caught half-way), then the whole one: it must wait through both, not return the torn file's bytes.
   std::thread writer([&] {
-    std::this_thread::sleep_for(150ms);
+    std::this_thread::sleep_for(100ms);
+    const auto bytes = tandem::detail::rendezvous_file("new-job", new_blob);
+    std::filesystem::remove(path);
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), 20);
+    std::this_thread::sleep_for(100ms);
+    std::filesystem::remove(path);
     tandem::publish_blob(path, "new-job", new_blob);
   });
   const std::vector<std::byte> got = tandem::wait_for_blob(path, "new-job", 4, {.timeout = 10s, .poll_interval = 5ms});

@@ -3,6 +3,7 @@
 // when only one rank's gradients hold the NaN; skipped (counted, nothing changed) or thrown on every rank.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -118,8 +119,12 @@ TEST_CASE_TEMPLATE("after throw_error the next window trains as if the poisoned 
         });
         return out;
       };
+      std::atomic<int> errors{0};
+      setup.non_finite_errors = &errors;
       const test::Params thrown = run(tandem::NonFinite::throw_error);
+      CHECK(errors == 3);  // the poisoned window threw on each of the 3 ranks, once
       const test::Params skipped = run(tandem::NonFinite::skip_step);
+      CHECK(errors == 3);  // skip_step threw nothing
       CHECK(thrown == skipped);
       for (const auto& t : thrown)
         for (float x : t) REQUIRE(tandem::finite(x));

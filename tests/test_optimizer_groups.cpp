@@ -38,14 +38,22 @@ float gradient(int rank, int step, std::size_t i, std::size_t e) {
                   1.3f * static_cast<float>(rank));
 }
 
-/// AdamW (torch's formulas) in double over the ranks' mean gradient, each tensor with its group's options.
-Params reference(int world, const std::vector<tandem::AdamWOptions>& groups, const std::vector<std::size_t>& of) {
+/// A change of group 1's options before step `at` (none where `at` is 0).
+struct Switch {
+  int at = 0;
+  tandem::AdamWOptions to{};
+};
+
+/// AdamW (torch's formulas) in double over the ranks' mean gradient, each tensor with its group's options (group 1's
+/// replaced from step `change.at` on).
+Params reference(int world, const std::vector<tandem::AdamWOptions>& groups, const std::vector<std::size_t>& of,
+                 Switch change = {}) {
   Params out;
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    const tandem::AdamWOptions& o = groups[of[i]];
     std::vector<double> p(specs[i].numel), m(p.size(), 0.0), v(p.size(), 0.0);
     for (std::size_t e = 0; e < p.size(); ++e) p[e] = initial(i, e);
     for (int t = 1; t <= steps; ++t) {
+      const tandem::AdamWOptions& o = change.at != 0 && t >= change.at && of[i] == 1 ? change.to : groups[of[i]];
       const double bc1 = 1.0 - std::pow(double{o.beta1}, t), bc2 = 1.0 - std::pow(double{o.beta2}, t);
       for (std::size_t e = 0; e < p.size(); ++e) {
         double g = 0.0;
@@ -62,10 +70,11 @@ Params reference(int world, const std::vector<tandem::AdamWOptions>& groups, con
   return out;
 }
 
-/// `steps` AdamW steps at `world` ranks with these groups (none: no set_optimizer_groups); rank 0's parameters.
+/// `steps` AdamW steps at `world` ranks with these groups (none: no set_optimizer_groups), group 1's options set to
+/// `change.to` by optimizer_options(1) before step `change.at`; rank 0's parameters.
 template <class Policy>
-Params train(int world, bool owned, const std::vector<tandem::AdamWOptions>& groups,
-             const std::vector<std::size_t>& of) {
+Params train(int world, bool owned, const std::vector<tandem::AdamWOptions>& groups, const std::vector<std::size_t>& of,
+             Switch change = {}) {
   Params result;
   std::mutex m;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
@@ -74,6 +83,7 @@ Params train(int world, bool owned, const std::vector<tandem::AdamWOptions>& gro
     auto run = [&](auto& dp, auto write_grads, auto read_params) {
       if (!groups.empty()) dp.set_optimizer_groups(groups, of);
       for (int t = 1; t <= steps; ++t) {
+        if (t == change.at) dp.optimizer_options(1) = change.to;
         write_grads(t);
         dp.step();
       }
@@ -161,7 +171,20 @@ TEST_CASE("optimizer groups: per-tensor options match AdamW written out in doubl
 }
 
 TEST_CASE("optimizer groups: optimizer_options(g) changes one group between steps") {
-  // Group 1 gets group 0's options from step 3 on: from then on its tensors follow group 0's rule.
+  // Group 1 (the biases, without decay) gets group 0's options from step 3 on: from then on its tensors follow group
+  // 0's rule, as the double reference switched at the same step, and end far from where no switch leaves them.
+  const std::vector<tandem::AdamWOptions> groups = {base, no_decay, half_lr};
+  for (bool owned : {true, false}) {
+    CAPTURE(owned);
+    const Params got = train<tandem::GradientSharded>(2, owned, groups, group_of, {.at = 3, .to = base});
+    CHECK(test::max_relative_error(got, reference(2, groups, group_of, {.at = 3, .to = base})) < 1e-5);
+    const Params unswitched = reference(2, groups, group_of);
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      CAPTURE(i);
+      if (group_of[i] == 1) CHECK(test::max_relative_error({got[i]}, {unswitched[i]}) > 1e-4);
+      if (group_of[i] != 1) CHECK(test::max_relative_error({got[i]}, {unswitched[i]}) < 1e-5);
+    }
+  }
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
     test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, specs, base, small_buckets());
     dp.template initialize_parameters<float>([](std::size_t, float*) {});

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <string_view>
 #include <vector>
 
 #include "../../examples/mlp/mlp.hpp"
@@ -33,7 +35,8 @@ struct TrainSetup {
   float max_grad_norm = 0.0f;                        // DataParallelOptions::max_grad_norm
   bool owned = false;                                // owned storage under every policy (always when it shards params)
   tandem::NonFinite non_finite = tandem::NonFinite::ignore;  // DataParallelOptions::non_finite; throw_error's errors
-                                                             // are caught and training goes on
+                                                             // are caught (and counted) and training goes on
+  std::atomic<int>* non_finite_errors = nullptr;             // where set: +1 for each such error a rank catches
   int poison_step = -1;  // at this optimizer step's last micro-step, rank poison_rank's first gradient is a NaN
   int poison_rank = 0;
 };
@@ -99,8 +102,11 @@ Params train_rank(Comm& comm, const TrainSetup& setup, const mlp::Dataset& data,
         }
       try {
         dp.step();
-      } catch (const tandem::error&) {
-        if (setup.non_finite != tandem::NonFinite::throw_error) throw;  // else: the window was dropped; go on
+      } catch (const tandem::error& e) {  // throw_error's own error: the window was dropped; go on. Any other: fail
+        if (setup.non_finite != tandem::NonFinite::throw_error ||
+            std::string_view(e.what()).find("non-finite gradients") == std::string_view::npos)
+          throw;
+        if (setup.non_finite_errors != nullptr) ++*setup.non_finite_errors;
       }
     }
   }
