@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The stream-faithful host backend: the CPU's stand-in for a GPU's asynchrony, where stream and event ordering bugs
-// are caught without a GPU (docs/design.md, "Testing without a GPU").
+// are caught without a GPU (docs/design.md, "Streams").
 //
 //   HostStream          a worker thread that runs its enqueued operations one after another, in enqueue order, each
 //                       after an optional seeded random delay. A failed operation makes the stream's error sticky, as
