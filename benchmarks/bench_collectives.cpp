@@ -6,7 +6,8 @@
 // x_floor compares with memory: all ranks together must read and write the data (all-reduce: every send read
 // and every recv written, 2 n bytes; reduce-scatter: n reads + 1 write; all-gather, out of place as here: every
 // block read and every recv written, own block included, 2 n), and x_floor = time / (that traffic / the aggregate
-// memcpy traffic rate of min(n, cores) threads, each copying a buffer of the case's size, measured right after it).
+// copy traffic rate of min(n, cores) threads, each copying a buffer of the case's size, measured right after it: the
+// faster of memcpy and a streaming copy, support.hpp).
 //
 // Google Benchmark runs each case with a fixed iteration count per call (state.max_iterations), so every rank
 // runs exactly that many collectives inside one LocalGroup::run; rank 0 times them and the per-iteration time is
@@ -63,7 +64,7 @@ void BM_collective(benchmark::State& state, Kind kind) {
   const double b = static_cast<double>(bytes);
   const double traffic = kind == Kind::reduce_scatter ? (n + 1) * b : 2 * n * b;  // all-reduce, all-gather: 2n
   const int threads = std::min<int>(world, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  state.counters["x_floor"] = per_op / (traffic / bench::aggregate_memcpy_rate(threads, bytes));
+  state.counters["x_floor"] = per_op / (traffic / bench::aggregate_copy_rate(threads, bytes));
 }
 
 void sizes(benchmark::internal::Benchmark* b) {

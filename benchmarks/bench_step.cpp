@@ -2,9 +2,10 @@
 // DataParallel::step() per policy at world sizes 1-4 (ranks are threads of one process), on a GPT-2-small-shaped
 // layout scaled to this machine (12 layers, width 256, vocab 8192, context 512: 11.7 M fp32 parameters, AdamW,
 // copy mode), next to its memory-traffic floor: the bytes every rank's step moves (the model below) divided by
-// the aggregate memcpy bandwidth of min(world, cores) threads, each copying as many bytes as a rank's step reads (so
-// that the copy and the step meet the same caches: a large L3 holds a small step's buffers), measured right after the
-// case. x_floor = measured time / floor time (1.0 would be a step that only streams memory at memcpy speed).
+// the aggregate copy bandwidth (the faster of memcpy and a streaming copy) of min(world, cores) threads, each copying
+// as many bytes as a rank's step reads (so that the copy and the step meet the same caches: a large L3 holds a small
+// step's buffers), measured right after the case. x_floor = measured time / floor time (1.0 would be a step that only
+// streams memory at copy speed).
 //
 // Traffic per rank and step (Ψ parameters, F flat elements, S = F / N; fp32 and AdamW: 28 bytes per updated
 // element; the LocalGroup reduction reads N slices and writes N results per element it reduces):
@@ -76,7 +77,7 @@ void BM_step(benchmark::State& state) {
   const double traffic = traffic_bytes<Policy>(psi, flat, world) * world;
   const int threads = std::min<int>(world, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   const auto per_thread = static_cast<std::size_t>(traffic / world / 2);  // a rank's reads (half its traffic)
-  const double floor = traffic / bench::aggregate_memcpy_rate(threads, per_thread);
+  const double floor = traffic / bench::aggregate_copy_rate(threads, per_thread);
   const double per_step = seconds / static_cast<double>(iterations);
   state.counters["floor_ms"] = floor * 1e3;
   state.counters["x_floor"] = per_step / floor;
