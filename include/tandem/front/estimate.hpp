@@ -37,7 +37,7 @@ TANDEM_COLD inline Plan bucket_plan(std::vector<TensorSpec> tensors, int world_s
 /// cuda_pack_table_layout CudaBackend's). It sets MemoryReport::pack_tables alone, and the two differ there only for
 /// tensors whose size is not a multiple of 1024 elements. Throws tandem::error for arguments the construction would
 /// reject, the tensors' names aside (the construction checks that a checkpoint can tell them apart), and where the
-/// report's total would pass 2^64 bytes.
+/// report's total would be past what 64 bits count.
 template <Policy P, Optimizer Opt>
 TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int world_size, Storage storage,
                                          const typename Opt::Options& optimizer = {},
@@ -52,7 +52,8 @@ TANDEM_COLD MemoryReport estimate_memory(std::vector<TensorSpec> tensors, int wo
   const BufferInputs in = detail::buffer_inputs(plan, dtype, storage, options);
   MemoryReport r = memory_of(buffers_for<P>(in), in, numel, Opt::state_count(optimizer));
   // Copy mode keeps a table of every bucket for the parameters (unpack) and one for the gradients (pack).
-  if (storage == Storage::user) r.pack_tables = detail::bytes_of(2, pack_tables_bytes(plan, pack_tables), 1);
+  if (storage == Storage::user)
+    r.pack_tables = detail::ByteCount{}.add(pack_tables_bytes(plan, pack_tables), 2).value();
   detail::check_total(r);
   return r;
 }

@@ -77,18 +77,16 @@ struct Buffers {
 
 namespace detail {
 
-/// Bytes of a memory report, summed as a + b × c... where a product or a sum past 2^64 bytes throws: the plan bounds
-/// elements (2^62 of the padded flat space), not the bytes of several arrays of them, which estimate_memory can be
-/// asked for (2^47 parameters at 2^31 ranks, say) though no rank could allocate them.
+/// Bytes of a memory report, summed as a + b × c + ... where a product or a sum past what 64 bits count throws: the
+/// plan bounds elements (2^62 of the padded flat space), not the bytes of several arrays of them, which
+/// estimate_memory can be asked for (2^47 parameters at 2^31 ranks, say) though no rank could allocate them.
 class ByteCount {
  public:
-  ByteCount& add(std::size_t elements, std::size_t bytes_each) {
-    if (bytes_each != 0 && elements > max / bytes_each) overflow();
-    return add(elements * bytes_each);
-  }
-  ByteCount& add(std::size_t bytes) {
-    if (bytes > max - value_) overflow();
-    value_ += bytes;
+  /// Adds `count` × `each` bytes.
+  ByteCount& add(std::size_t count, std::size_t each = 1) {
+    if (each != 0 && count > max / each) overflow();
+    if (count * each > max - value_) overflow();
+    value_ += count * each;
     return *this;
   }
   std::size_t value() const { return value_; }
@@ -96,18 +94,18 @@ class ByteCount {
  private:
   static constexpr std::size_t max = static_cast<std::size_t>(-1);
   [[noreturn]] static void overflow() {
-    fail("tandem: the memory per rank of this layout comes to more than 2^64 bytes (" + std::to_string(max) +
-         "); fewer parameters or ranks");
+    fail("tandem: the memory per rank of this layout is past what 64 bits count (" + std::to_string(max) +
+         " bytes); fewer parameters or ranks");
   }
   std::size_t value_ = 0;
 };
 
-/// Bytes of `count` arrays of `elements` elements of `bytes_each` bytes, or tandem::error past 2^64.
-inline std::size_t bytes_of(std::size_t count, std::size_t elements, std::size_t bytes_each) {
-  return ByteCount{}.add(ByteCount{}.add(count, elements).value(), bytes_each).value();
+/// Bytes of `count` arrays of `elements` elements of `each` bytes, or tandem::error past 64 bits.
+inline std::size_t bytes_of(std::size_t count, std::size_t elements, std::size_t each) {
+  return ByteCount{}.add(ByteCount{}.add(count, elements).value(), each).value();
 }
 
-/// Throws tandem::error unless `r.total()` fits in 2^64 bytes.
+/// Throws tandem::error unless `r.total()` fits in 64 bits.
 inline void check_total(const MemoryReport& r) {
   ByteCount{}.add(r.params).add(r.grads).add(r.master_weights).add(r.optimizer_state).add(r.buckets).add(r.pack_tables);
 }
@@ -117,27 +115,26 @@ inline void check_total(const MemoryReport& r) {
 /// The memory report of a set of buffers: the categories of MemoryReport, one rule for every policy. `numel` is the
 /// layout's element count (the user's buffers' size with Storage::user); `state_count` the optimizer's arrays.
 /// `pack_tables` is left 0: the tables are not buffers of the policy's rule (DataParallel and estimate_memory add
-/// them). Throws tandem::error where a category or the total would pass 2^64 bytes.
+/// them). Throws tandem::error where a category or the total would be past what 64 bits count.
 inline MemoryReport memory_of(const Buffers& b, const BufferInputs& in, std::size_t numel, std::size_t state_count) {
-  using detail::bytes_of;
+  using detail::ByteCount;
   const std::size_t p = dtype_size(in.param_dtype), f = sizeof(float);
-  const std::size_t shard = bytes_of(1, b.grad_shard, dtype_size(b.grad_shard_dtype));
   MemoryReport r;
-  r.master_weights = bytes_of(1, b.master, f);
-  r.optimizer_state = bytes_of(state_count, b.state, f);
-  const std::size_t transient = detail::ByteCount{}
-                                    .add(bytes_of(b.grad_slots, b.grad_slot_size, f))
-                                    .add(bytes_of(1, b.staging, f))
-                                    .add(bytes_of(b.param_slots, b.param_slot_size, p))
-                                    .add(bytes_of(1, b.reduce_buffer, dtype_size(in.reduce_dtype)))
+  r.master_weights = ByteCount{}.add(b.master, f).value();
+  r.optimizer_state = detail::bytes_of(state_count, b.state, f);
+  const std::size_t transient = ByteCount{}
+                                    .add(detail::bytes_of(b.grad_slots, b.grad_slot_size, f))
+                                    .add(b.staging, f)
+                                    .add(detail::bytes_of(b.param_slots, b.param_slot_size, p))
+                                    .add(b.reduce_buffer, dtype_size(in.reduce_dtype))
                                     .value();
-  const std::size_t flat_params =
-      detail::ByteCount{}.add(bytes_of(1, b.param_flat, p)).add(bytes_of(1, b.param_shard, p)).value();
-  const std::size_t flat_grads = detail::ByteCount{}.add(bytes_of(1, b.grad_flat, f)).add(shard).value();
+  const std::size_t flat_params = ByteCount{}.add(b.param_flat, p).add(b.param_shard, p).value();
+  const std::size_t flat_grads =
+      ByteCount{}.add(b.grad_flat, f).add(b.grad_shard, dtype_size(b.grad_shard_dtype)).value();
   if (in.storage == Storage::user) {
-    r.params = bytes_of(1, numel, p);
+    r.params = ByteCount{}.add(numel, p).value();
     r.grads = r.params;
-    r.buckets = detail::ByteCount{}.add(flat_params).add(flat_grads).add(transient).value();
+    r.buckets = ByteCount{}.add(flat_params).add(flat_grads).add(transient).value();
   } else {
     r.params = flat_params;
     r.grads = flat_grads;
