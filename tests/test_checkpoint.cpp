@@ -495,6 +495,20 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
   std::filesystem::remove(link);
   CHECK(shard_files(dir) == before);
   CHECK(tandem::verify_checkpoint(dir).manifest.step == 4);
+  // An empty path names no directory (a save wrote its files into `/`): every entry point refuses it.
+  const char* empty_path = "the checkpoint directory is an empty path";
+  CHECK_THROWS_WITH_AS(tandem::verify_checkpoint(""), doctest::Contains(empty_path), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::consolidate_checkpoint("", out), doctest::Contains(empty_path), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::import_parameters(out, ""), doctest::Contains(empty_path), tandem::error);
+  CHECK_THROWS_WITH_AS(tandem::check_save_target("", {{"w", 8, tandem::DType::fp32}}), doctest::Contains(empty_path),
+                       tandem::error);
+  std::vector<std::string> refusals(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> m(dims, 1);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, m.tensors());
+    refusals[static_cast<std::size_t>(comm.rank())] = test::message_of([&] { dp.save_checkpoint(""); });
+  });
+  for (const std::string& r : refusals) CHECK(r.find(empty_path) != std::string::npos);
   {
     const std::string copy = temp_path("tools_copy");
     std::filesystem::copy(dir, copy);
@@ -820,10 +834,12 @@ TEST_CASE("a checkpoint of more files than a process keeps open loads, verifies 
     Params loaded;
     tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
       tandem::detail::checkpoint_max_open_files() = 2;
+      tandem::detail::checkpoint_most_open_files() = 0;
       mlp::Mlp<float> model(dims, 1);
       test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(),
                                                                {.lr = 3e-3f, .weight_decay = 0.05f});
       dp.load_checkpoint(dir);
+      CHECK(tandem::detail::checkpoint_most_open_files() == 2);  // every file read, never more than 2 open
       if (comm.rank() == 0) loaded = as_float(model.params());
       tandem::detail::checkpoint_max_open_files() = 64;
     });

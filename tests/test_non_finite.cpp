@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -34,10 +35,11 @@ struct Outcome {
 };
 
 // Trains 6 steps on `world` ranks; at poisoned_step one rank's gradient is poisoned (or, with Poison::none and
-// `leave_out`, that step is left out altogether). Under StepReport::deferred, last_step() reports at the end.
+// `leave_out`, that step is left out altogether). Under StepReport::deferred, last_step() reports at the end, or with
+// `save_to` a save_checkpoint there does.
 template <class P>
 Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out = false,
-              tandem::StepReport report = tandem::StepReport::at_step) {
+              tandem::StepReport report = tandem::StepReport::at_step, const std::string& save_to = {}) {
   Outcome out;
   out.errors.resize(static_cast<std::size_t>(world));
   std::mutex m;
@@ -62,6 +64,7 @@ Outcome train(int world, tandem::NonFinite policy, Poison poison, bool leave_out
           CHECK(r.skipped ==
                 (policy == tandem::NonFinite::skip_step && poison != Poison::none && step == poisoned_step));
       }
+      if (report == tandem::StepReport::deferred && !save_to.empty()) dp.save_checkpoint(save_to);
       if (report == tandem::StepReport::deferred) {
         const tandem::StepResult last = dp.last_step();
         CHECK(last.updated);
@@ -161,4 +164,15 @@ TEST_CASE_TEMPLATE("deferred reports: the device skips the poisoned step, and th
   for (const std::string& e : thrown.errors)
     CHECK(e.find("last_step(): non-finite gradients at 1 optimizer step(s) since the last report") !=
           std::string::npos);
+  // A save is a report too, on every rank: it throws on each, and saves nothing.
+  const std::string dir = (std::filesystem::temp_directory_path() / "tandem_deferred_save").string();
+  std::filesystem::remove_all(dir);
+  const Outcome unsaved =
+      train<P>(3, tandem::NonFinite::throw_error, Poison::inf_on_rank_0, false, tandem::StepReport::deferred, dir);
+  CHECK(unsaved.params == left_out.params);
+  for (const std::string& e : unsaved.errors)
+    CHECK(e.find("save_checkpoint: non-finite gradients at 1 optimizer step(s) since the last report") !=
+          std::string::npos);
+  CHECK(!std::filesystem::exists(dir + "/manifest.json"));
+  std::filesystem::remove_all(dir);
 }

@@ -33,11 +33,18 @@ inline std::size_t& checkpoint_fault_after_bytes() {
   return bytes;
 }
 
+/// Throws tandem::error where `dir`, a checkpoint's directory, is an empty path: `dir + "/" + name` would be a file in
+/// the file system's root.
+inline void check_directory_named(const std::string& dir) {
+  if (dir.empty()) fail("tandem: the checkpoint directory is an empty path (its files would go to `/`); name one");
+}
+
 /// Creates directory `dir` and its missing parents (as std::filesystem::create_directories), and makes each new
 /// entry durable by flushing the directory that holds it: a file committed into `dir` then survives a power loss
-/// with the directory itself. Throws tandem::error naming what failed.
+/// with the directory itself. Throws tandem::error naming what failed, and for an empty path.
 TANDEM_COLD inline void create_directories_durably(const std::string& dir) {
   namespace fs = std::filesystem;
+  check_directory_named(dir);
   std::vector<fs::path> missing;  // from `dir` up to its first existing ancestor
   std::error_code ec;
   fs::path start = fs::path(dir).lexically_normal();

@@ -270,6 +270,12 @@ inline std::size_t& checkpoint_max_open_files() {
   static thread_local std::size_t files = 64;
   return files;
 }
+/// The most files one ShardedCheckpoint of this thread has held open at once, since the caller last set it to 0 (what
+/// a load keeps open, for tests: its ShardedCheckpoint is internal).
+inline std::size_t& checkpoint_most_open_files() {
+  static thread_local std::size_t files = 0;
+  return files;
+}
 
 /// A sharded checkpoint opened for loading: its manifest (checked by the caller), the plan that saved it, and its
 /// files, opened when first read, at most `max_open` at a time (a checkpoint of thousands of ranks read on one: the
@@ -460,6 +466,7 @@ class ShardedCheckpoint {
              std::to_string(m.bytes) + " (truncated, or from another save?)");
       files_[file].emplace(path);
       most_open_ = std::max(most_open_, ++open_);
+      checkpoint_most_open_files() = std::max(checkpoint_most_open_files(), open_);
       if (files_[file]->header_crc() != m.header_crc)
         files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
       // The step and the program's metadata, which the manifest alone records in files saved before shards recorded
@@ -585,6 +592,7 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
 
 /// The manifest of the checkpoint in `dir`; throws tandem::error where there is none or it does not read.
 inline CheckpointManifest read_manifest(const std::string& dir) {
+  check_directory_named(dir);
   const std::string path = dir + "/" + manifest_name;
   return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
 }
@@ -630,6 +638,7 @@ inline bool is_checkpoint_file_name(std::string_view name) {
 /// model's two parameter dtypes, saving to one directory); or a manifest.json that does not read (of a later version,
 /// damaged, or unreadable now), which may name such a checkpoint.
 TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vector<TensorSpec>& tensors) {
+  check_directory_named(dir);
   if (!std::filesystem::exists(dir + "/" + manifest_name)) return;
   CheckpointManifest old;
   try {
