@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace examples {
@@ -31,6 +32,8 @@ inline CLI::Validator sign_check(bool zero_allowed, const std::string& name) {
         if (!CLI::detail::lexical_cast(text, v)) return "`" + text + "` is not a number";
         if (!std::isfinite(v) || v < 0 || (!zero_allowed && v == 0))
           return "`" + text + "` must be a finite number " + (zero_allowed ? "0 or more" : "above 0");
+        if (v > std::numeric_limits<float>::max())  // (a float option would hold an infinity)
+          return "`" + text + "` is beyond a float's range (3.4e38)";
         return {};
       },
       name);
@@ -38,5 +41,10 @@ inline CLI::Validator sign_check(bool zero_allowed, const std::string& name) {
 
 inline const CLI::Validator positive = sign_check(false, "POSITIVE");         ///< > 0
 inline const CLI::Validator non_negative = sign_check(true, "NON-NEGATIVE");  ///< >= 0
+
+/// A path that is not empty: "" would be no file, or as a directory the file system's root (`"" + "/" + name`).
+inline const CLI::Validator named_path(
+    [](std::string& text) -> std::string { return text.empty() ? "an empty path names no file" : std::string(); },
+    "PATH");
 
 }  // namespace examples

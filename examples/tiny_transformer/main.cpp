@@ -191,8 +191,9 @@ int main(int argc, char** argv) {
   auto* policy_opt =
       app.add_option("--policy", policy, "replicated | optimizer-sharded | gradient-sharded | parameter-sharded")
           ->transform(CLI::CheckedTransformer(policies, CLI::ignore_case));
-  app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
-      ->check(CLI::Range(1, 256));
+  auto* ranks_opt =
+      app.add_option("--ranks", ranks, "ranks (threads of this process), N; under mpirun every process is one rank")
+          ->check(CLI::Range(1, 256));
   app.add_option("--backend", backend,
                  "host (CPU ranks) or cuda (one GPU per rank); default: cuda where a GPU per rank exists, else host")
       ->check(CLI::IsMember({"host", "cuda"}));
@@ -203,10 +204,11 @@ int main(int argc, char** argv) {
   app.add_option("--batch", cfg.batch, "global batch: examples per optimizer step")->check(examples::positive);
   app.add_option("--accum", cfg.accumulation, "micro-steps per optimizer step")->check(examples::positive);
   app.add_option("--lr", cfg.lr, "peak AdamW learning rate (warm-up, then cosine decay)")->check(examples::positive);
-  app.add_option("--width", cfg.model.width, "model width")->check(examples::positive);
-  app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(examples::positive);
-  app.add_option("--heads", cfg.model.heads, "attention heads")->check(examples::positive);
-  app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(examples::positive);
+  // (Bounds far above a tiny model's, so that no size below overflows an int: the MLP's width is mlp-ratio x width.)
+  app.add_option("--width", cfg.model.width, "model width")->check(CLI::Range(1, 16384));
+  app.add_option("--layers", cfg.model.layers, "transformer blocks")->check(CLI::Range(1, 1024));
+  app.add_option("--heads", cfg.model.heads, "attention heads")->check(CLI::Range(1, 16384));
+  app.add_option("--mlp-ratio", cfg.model.mlp_ratio, "MLP width / model width")->check(CLI::Range(1, 64));
   auto* text_opt =
       app.add_option("--text", text_path, "train a byte-level language model on this file")->check(CLI::ExistingFile);
   // Each task's options are refused with the other task, where they would be ignored.
@@ -218,7 +220,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 65535))
       ->excludes(text_opt);
   app.add_option("--eval", eval_examples, "sort task: held-out examples")
-      ->check(examples::positive)
+      ->check(CLI::Range(1, 1000000))
       ->excludes(text_opt);
   app.add_option("--train-examples", train_examples,
                  "sort task: training examples, whatever --steps is (a longer run goes over them again, each epoch in "
@@ -243,7 +245,8 @@ int main(int argc, char** argv) {
                                       "default 600 whatever --steps is (with --epochs: their steps), so that a run "
                                       "stopped and resumed follows the schedule of one that never stopped")
                            ->check(examples::positive);
-  auto* save_opt = app.add_option("--save", cfg.save_dir, "save a checkpoint (a directory) at the end");
+  auto* save_opt =
+      app.add_option("--save", cfg.save_dir, "save a checkpoint (a directory) at the end")->check(examples::named_path);
   app.add_option("--save-every", cfg.save_every, "with --save: also save after every K-th step")
       ->check(examples::positive)
       ->needs(save_opt);
@@ -251,7 +254,7 @@ int main(int argc, char** argv) {
                                     "start from the checkpoint in this directory (at any --ranks and --policy) and "
                                     "train on from its step to --steps")
                          ->check(CLI::ExistingDirectory);
-  app.add_option("--csv", csv_path, "also write the results to this CSV file");
+  app.add_option("--csv", csv_path, "also write the results to this CSV file")->check(examples::named_path);
   app.add_option("--blas-core", blas_core,
                  "OpenBLAS kernels: keep (those OpenBLAS chose), auto (where those are generic for this CPU, better "
                  "ones that pass a check in a child process), or a name such as SkylakeX or Haswell (checked too); "
@@ -276,6 +279,7 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  const int given_ranks = ranks;  // (checked below: under mpirun a --ranks other than the processes' count is refused)
 #if defined(TINY_HAVE_MPI)
   // Under mpirun (or srun with MPI), each process is one rank and tandem::Mpi carries the collectives.
   const bool mpi = launched_by_mpi();
@@ -302,6 +306,17 @@ int main(int argc, char** argv) {
     if (mpi && compare)
       throw std::invalid_argument(
           "--compare runs 1 rank and then N ranks as threads of one process; start it without mpirun");
+    if (mpi && ranks_opt->count() > 0 && given_ranks != ranks)
+      throw std::invalid_argument("--ranks " + std::to_string(given_ranks) +
+                                  ": under mpirun every process is one rank (" + std::to_string(ranks) +
+                                  " here); leave --ranks out, or give " + std::to_string(ranks));
+    if (cfg.model.width % cfg.model.heads != 0)
+      throw std::invalid_argument("--width (" + std::to_string(cfg.model.width) + ") must be a multiple of --heads (" +
+                                  std::to_string(cfg.model.heads) + ")");
+    if (text_path.empty() && sort.values < sort.length)
+      throw std::invalid_argument("--sort-values (" + std::to_string(sort.values) +
+                                  ") must be at least --sort-length (" + std::to_string(sort.length) +
+                                  "): the lists hold distinct numbers");
 #if defined(TINY_HAVE_CUDA)
     const int gpus = tiny::cuda_device_count();
     if (const std::string fault = tiny::cuda_fault(); backend.empty() && !fault.empty())
