@@ -15,11 +15,8 @@
 # CUDA project too and its main.cu, built with tandem::cuda alone, runs as well (it launches nothing without a GPU).
 cmake_minimum_required(VERSION 3.25)
 
-foreach(var IN ITEMS MODE SOURCE_DIR CONSUMER_DIR WORK_DIR GENERATOR)
-  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
-    message(FATAL_ERROR "run_consumer.cmake: -D${var}=... is required")
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/../require_defined.cmake")
+require_defined(run_consumer.cmake MODE SOURCE_DIR CONSUMER_DIR WORK_DIR GENERATOR)
 if(NOT BUILD_TYPE)
   set(BUILD_TYPE Release)
 endif()

@@ -12,11 +12,8 @@
 # (steady_clock, one clock on a host); measured on one host: about 100-110 ms after a SIGKILL, a few ms after a throw.
 cmake_minimum_required(VERSION 3.25)
 
-foreach(var IN ITEMS MPIEXEC NUMPROC_FLAG NP EXE MODE BOUND)
-  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
-    message(FATAL_ERROR "run_failure.cmake: -D${var}=... is required")
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/../require_defined.cmake")
+require_defined(run_failure.cmake MPIEXEC NUMPROC_FLAG NP EXE MODE BOUND)
 
 if(NOT DEFINED MARGIN_MS)
   set(MARGIN_MS 800)

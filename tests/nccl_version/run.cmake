@@ -13,11 +13,8 @@
 #   status line and find_package(tandem COMPONENTS nccl)'s failure print); the real one tandem::nccl.
 cmake_minimum_required(VERSION 3.25)
 
-foreach(var IN ITEMS CXX SOURCE_DIR NCCL_INCLUDE_DIR NCCL_LIBRARY WORK_DIR GENERATOR)
-  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
-    message(FATAL_ERROR "nccl_version/run.cmake: -D${var}=... is required")
-  endif()
-endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/../require_defined.cmake")
+require_defined(nccl_version/run.cmake CXX SOURCE_DIR NCCL_INCLUDE_DIR NCCL_LIBRARY WORK_DIR GENERATOR)
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}/old")
