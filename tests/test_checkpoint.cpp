@@ -4,9 +4,11 @@
 // temporary files (unique per writer, removed when a save fails), the limit on names and the names a checkpoint could
 // not tell apart, ranks loading different files, saves refused where the state is not a training state.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -820,12 +822,13 @@ TEST_CASE("a checkpoint of more files than a process keeps open loads, verifies 
   CHECK(read_file(whole) == read_file(reference));
   {
     const tandem::CheckpointManifest m = tandem::detail::read_manifest(dir);
+    tandem::detail::checkpoint_most_open_files() = 0;
     tandem::detail::ShardedCheckpoint ckpt(dir, m, tandem::Layout(m.tensors));
     std::vector<unsigned char> chunk(tandem::detail::checkpoint_chunk_bytes);
     for (const tandem::detail::CheckpointArray& a : tandem::detail::arrays_of(m))
       for (std::size_t i = 0; i < m.tensors.size(); ++i)
         ckpt.stream(a, i, m.tensors[i], chunk, [](const unsigned char*, std::size_t) {});
-    CHECK(ckpt.most_open() == 2);
+    CHECK(tandem::detail::checkpoint_most_open_files() == 2);
   }
   tandem::detail::checkpoint_max_open_files() = 64;
   // A load that reads every file (Replicated, at 1 and 3 ranks), each rank keeping at most 2 open.
@@ -917,6 +920,84 @@ TEST_CASE("sharded saves to different directories at once (two groups of ranks, 
   CHECK(temporaries_of(b).empty());
   std::filesystem::remove_all(a);
   std::filesystem::remove_all(b);
+}
+
+TEST_CASE("a save into a directory another save holds is refused, on every rank, naming it; the checkpoint stays") {
+  // Two jobs saving into one directory at once removed each other's unfinished files: the second is now refused.
+  const std::string dir = temp_path("held"), file = temp_path("held_parameters") + ".safetensors";
+  const Params saved = train<tandem::Replicated>(2, 0, 2, Action::save, dir);
+  const std::vector<std::string> files = shard_files(dir);
+  tandem::consolidate_checkpoint(dir, file);
+  const auto save_on_two_ranks = [&] {
+    std::vector<std::string> messages(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 9);
+      test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors());
+      dp.broadcast_parameters();
+      messages[static_cast<std::size_t>(comm.rank())] = test::message_of([&] { dp.save_checkpoint(dir); });
+    });
+    return messages;
+  };
+  {
+    const tandem::detail::SaveLock held(dir, "the test");  // as another job's save would, in its own process
+    REQUIRE(held.held());
+    const std::string refusal = "tandem: save_checkpoint: another save into `" + dir + "` is in progress (pid " +
+                                std::to_string(::getpid()) + " on ";
+    const std::vector<std::string> messages = save_on_two_ranks();
+    CHECK(messages[0].starts_with(refusal));
+    CHECK(
+        messages[0].ends_with(" holds `.tandem-save.lock`): one save at a time writes to a directory; give each "
+                              "job, and each DataParallel, a directory of its own. Nothing was changed"));
+    CHECK(messages[1] == "tandem: rank 0 failed: " + messages[0]);
+    CHECK(test::message_of([&] {
+            tandem::import_parameters(file, dir, tandem::ExistingCheckpoint::replace);
+          }).starts_with("tandem: import_parameters: another save into `" + dir + "` is in progress (pid "));
+    CHECK(shard_files(dir) == files);
+    CHECK(temporaries_of(dir).empty());
+  }
+  CHECK(train<tandem::Replicated>(2, 2, 2, Action::load, dir) == saved);
+  // Released, the directory takes a save again (the refused ones released theirs too).
+  CHECK(save_on_two_ranks() == std::vector<std::string>(2, "(no error)"));
+  CHECK(tandem::verify_checkpoint(dir).manifest.policy == "GradientSharded");
+  CHECK(std::filesystem::exists(dir + "/.tandem-save.lock"));  // it stays: removing it would let two saves hold two
+  std::filesystem::remove_all(dir);
+  std::remove(file.c_str());
+}
+
+TEST_CASE("saves into one directory from two groups of ranks at once: each commits whole or is refused") {
+  const std::string dir = temp_path("racing");
+  std::array<std::vector<std::string>, 2> failures;
+  std::array<Params, 2> states;
+  std::array<std::atomic<int>, 2> committed{};
+  {
+    std::vector<std::jthread> jobs;
+    for (int job = 0; job < 2; ++job)
+      jobs.emplace_back([&, job] {
+        tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+          mlp::Mlp<float> model(dims, 20 + static_cast<std::uint64_t>(job));
+          test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors());
+          dp.broadcast_parameters();
+          if (comm.rank() == 0) states[static_cast<std::size_t>(job)] = as_float(model.params());
+          for (int save = 0; save < 6; ++save) {
+            const std::string message = test::message_of([&] { dp.save_checkpoint(dir); });
+            if (comm.rank() != 0) continue;
+            if (message == "(no error)")
+              ++committed[static_cast<std::size_t>(job)];
+            else if (message.find("another save into `" + dir + "` is in progress") == std::string::npos)
+              failures[static_cast<std::size_t>(job)].push_back(message);  // anything else is a fault
+          }
+        });
+      });
+  }
+  CHECK(failures[0] == std::vector<std::string>());
+  CHECK(failures[1] == std::vector<std::string>());
+  CHECK(committed[0] + committed[1] >= 1);
+  tandem::verify_checkpoint(dir);
+  const Params loaded = train<tandem::OptimizerSharded>(2, 0, 0, Action::load, dir);
+  CHECK((loaded == states[0] || loaded == states[1]));
+  CHECK(shard_files(dir).size() == 2);  // the other job's files went with its save, refused or replaced
+  CHECK(temporaries_of(dir).empty());
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only what it reads (4096 bytes)") {

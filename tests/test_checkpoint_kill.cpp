@@ -84,6 +84,62 @@ TEST_CASE("kill -9 during a save leaves the previous checkpoint whole and loadab
       const float* v = dp.param_view<float>(i);
       for (std::size_t e = 0; e < sizes[i]; ++e) REQUIRE(v[e] == k);  // one save's values, whole
     }
+    dp.save_checkpoint(dir);  // the killed child held the directory's save lock: it went with the child
   });
+  CHECK(tandem::verify_checkpoint(dir).manifest.world_size == 3);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE(
+    "a directory's save lock: refused to another process, named by its pid; it goes with its process, and a "
+    "child forked while it is held keeps it no longer than its holder") {
+  const std::string dir = test::temp_path("save_lock");
+  std::filesystem::create_directories(dir);
+  const auto refusal = [&] { return "another save into `" + dir + "` is in progress (pid "; };
+  const auto message_of_lock = [&] {
+    try {
+      const tandem::detail::SaveLock lock(dir, "save_checkpoint");
+      return std::string("(held)");
+    } catch (const tandem::error& e) {
+      return std::string(e.what());
+    }
+  };
+  // A process holds it: this one is refused, naming that process, until it is killed.
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t holder = ::fork();
+  REQUIRE(holder >= 0);
+  if (holder == 0) {
+    const tandem::detail::SaveLock lock(dir, "save_checkpoint");
+    const char byte = lock.held() ? 'y' : 'n';
+    if (::write(ready[1], &byte, 1) == 1) ::pause();
+    std::_Exit(1);
+  }
+  char byte = 0;
+  REQUIRE(::read(ready[0], &byte, 1) == 1);
+  CHECK(byte == 'y');
+  const std::string refused = message_of_lock();
+  CHECK(refused.find(refusal() + std::to_string(holder) + " on ") != std::string::npos);
+  ::kill(holder, SIGKILL);
+  int status = 0;
+  ::waitpid(holder, &status, 0);
+  CHECK(message_of_lock() == "(held)");
+  // This process holds it and forks a child that lives on: releasing it releases it for the child too.
+  pid_t child = -1;
+  {
+    const tandem::detail::SaveLock lock(dir, "save_checkpoint");
+    REQUIRE(lock.held());
+    child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      ::pause();
+      std::_Exit(1);
+    }
+  }
+  CHECK(message_of_lock() == "(held)");
+  ::kill(child, SIGKILL);
+  ::waitpid(child, &status, 0);
+  ::close(ready[0]);
+  ::close(ready[1]);
   std::filesystem::remove_all(dir);
 }

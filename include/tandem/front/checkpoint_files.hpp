@@ -220,6 +220,7 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
     entries.push_back({std::string(t.name), t.dtype, t.count()});
   }
   detail::create_directories_durably(dir);
+  const detail::SaveLock lock(dir, "import_parameters");
   const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";
   SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", detail::safetensors_shard_format}},
                            "the imported parameters");

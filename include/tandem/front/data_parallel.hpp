@@ -400,14 +400,16 @@ class DataParallel {
   /// which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the previous
   /// checkpoint in `dir` whole; after it, the previous one's files are removed, and those crashed saves left. `dir`
   /// must be one directory that every rank sees (shared storage: rank 0 checks that it finds every rank's file), and
-  /// one model's: a checkpoint of other tensors there is not replaced. Collective; call it between optimizer steps, not
-  /// inside an accumulation window. If any rank fails, every rank throws tandem::error; where the collective after the
-  /// manifest's rename fails, whether it was written is unknown, and `dir` holds the new checkpoint or the previous
-  /// one, whole (verify_checkpoint says which). It refuses, as step() does, a state that a failed load_checkpoint left
-  /// partly overwritten and, with owned storage, one whose initial parameters were never set (broadcast_parameters,
-  /// initialize_parameters), so that it never replaces a good checkpoint with one that is not a training state.
-  /// `metadata`, the program's own records (the options that chose its data, its data loader's position), is kept with
-  /// the state, under the checksums that cover it, and load_checkpoint returns it; every rank must give the same.
+  /// one model's: a checkpoint of other tensors there is not replaced, and a second save into it while one runs
+  /// (another job's) is refused on every rank (detail::SaveLock, `dir`/.tandem-save.lock, which stays). Collective;
+  /// call it between optimizer steps, not inside an accumulation window. If any rank fails, every rank throws
+  /// tandem::error; where the collective after the manifest's rename fails, whether it was written is unknown, and
+  /// `dir` holds the new checkpoint or the previous one, whole (verify_checkpoint says which). It refuses, as step()
+  /// does, a state that a failed load_checkpoint left partly overwritten and, with owned storage, one whose initial
+  /// parameters were never set (broadcast_parameters, initialize_parameters), so that it never replaces a good
+  /// checkpoint with one that is not a training state. `metadata`, the program's own records (the options that chose
+  /// its data, its data loader's position), is kept with the state, under the checksums that cover it, and
+  /// load_checkpoint returns it; every rank must give the same.
   TANDEM_COLD void save_checkpoint(const std::string& dir, const CheckpointMetadata& metadata = {}) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
@@ -446,7 +448,9 @@ class DataParallel {
     } catch (const std::exception& e) {
       problem = detail::problem_of(e, "creating the directory `" + dir + "`");  // (the error names it)
     }
+    std::optional<detail::SaveLock> lock;  // rank 0's, from before any rank writes until the clean-up is done
     if (rank_ == 0 && problem.empty()) try {
+        lock.emplace(dir, "save_checkpoint");
         detail::check_replaceable(dir, layout_.tensors());
         id = detail::new_save_id();
       } catch (const std::exception& e) {

@@ -8,6 +8,8 @@
 // orders the streams.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -308,8 +310,6 @@ class ShardedCheckpoint {
   const CheckpointManifest& manifest() const { return manifest_; }
   /// Whether file `file` (of the manifest's list) has been opened.
   bool opened(std::size_t file) const { return used_[file] != 0; }
-  /// The most files that were open at once.
-  std::size_t most_open() const { return most_open_; }
   /// Bytes of data read from the files so far (headers not counted): every saved slice read() needed, whole.
   std::uint64_t bytes_read() const { return bytes_read_; }
 
@@ -465,8 +465,7 @@ class ShardedCheckpoint {
         fail("tandem: `" + path + "` is " + std::to_string(size) + " bytes long; the checkpoint's manifest says " +
              std::to_string(m.bytes) + " (truncated, or from another save?)");
       files_[file].emplace(path);
-      most_open_ = std::max(most_open_, ++open_);
-      checkpoint_most_open_files() = std::max(checkpoint_most_open_files(), open_);
+      checkpoint_most_open_files() = std::max(checkpoint_most_open_files(), ++open_);
       if (files_[file]->header_crc() != m.header_crc)
         files_[file]->corrupt("its header's checksum does not match the manifest's (a file of another save?)");
       // The step and the program's metadata, which the manifest alone records in files saved before shards recorded
@@ -505,7 +504,7 @@ class ShardedCheckpoint {
   std::vector<std::size_t> next_;    ///< per file: the index of the entry after the last one found there
   std::vector<std::uint64_t> used_;  ///< per file: when it was last read (clock_), 0 never
   std::uint64_t clock_ = 0;
-  std::size_t max_open_, open_ = 0, most_open_ = 0;
+  std::size_t max_open_, open_ = 0;
   std::uint64_t bytes_read_ = 0;
   struct Run {  // slices adjacent in file `file` (bytes [file_begin, file_end)) and in host memory [to, to_end)
     std::size_t file = 0;
@@ -632,6 +631,66 @@ inline bool is_checkpoint_file_name(std::string_view name) {
   return literal(at, "step") && digits(at) && literal(at, "-") && id(at) && literal(at, "-rank") && digits(at) &&
          literal(at, "-of") && digits(at) && literal(at, ".safetensors") && at == name.size();
 }
+
+/// The file in a checkpoint's directory that a save holds locked while it writes there (SaveLock).
+inline constexpr std::string_view save_lock_name = ".tandem-save.lock";
+
+/// A checkpoint directory's save lock: taken (flock, exclusive, without waiting) by rank 0 of a save, or by an import,
+/// before any file of it is written, and held until its clean-up is done, so that a second save into the directory at
+/// once (another job, or another DataParallel) is refused, naming the holder, instead of the two removing each other's
+/// files. The kernel holds it for the open file: a process that dies releases it, so a crashed save never blocks the
+/// next. Where the file system keeps no such locks (NFS without a lock manager, Lustre mounted without `flock`), saves
+/// go unlocked. The file stays, holding the last holder's pid and host. `who` begins the refusal ("save_checkpoint").
+class SaveLock {
+ public:
+  SaveLock(const std::string& dir, std::string_view who) {
+    const std::string path = dir + "/" + std::string(save_lock_name);
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    const bool writable = fd_ >= 0;
+    if (fd_ < 0 && errno == EACCES) fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);  // another user's
+    if (fd_ < 0) fail("tandem: " + std::string(who) + ": cannot open `" + path + "`: " + std::strerror(errno));
+    int r = 0;
+    do r = ::flock(fd_, LOCK_EX | LOCK_NB);
+    while (r != 0 && errno == EINTR);
+    if (r == 0) {
+      if (writable) record_holder();
+      return;
+    }
+    const int e = errno;
+    std::string holder(256, '\0');
+    const ssize_t n = ::pread(fd_, holder.data(), holder.size(), 0);
+    holder.resize(n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
+    ::close(fd_);
+    fd_ = -1;
+    if (e != EWOULDBLOCK) return;  // no such lock here: unlocked, as every save was before
+    fail("tandem: " + std::string(who) + ": another save into `" + dir + "` is in progress (" +
+         (holder.empty() ? std::string("a process") : holder) + " holds `" + std::string(save_lock_name) +
+         "`): one save at a time writes to a directory; give each job, and each DataParallel, a directory of its own. "
+         "Nothing was changed");
+  }
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+  ~SaveLock() {
+    if (fd_ < 0) return;
+    ::flock(fd_, LOCK_UN);  // (for a child forked meanwhile too: it shares the open file)
+    ::close(fd_);
+  }
+  /// Whether the lock is held (false where the file system keeps no locks).
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  // Best effort: the holder's name only helps the refusal's reader.
+  void record_holder() const {
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::string text = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+    if (::ftruncate(fd_, 0) != 0) return;
+    const ssize_t written = ::pwrite(fd_, text.data(), text.size(), 0);
+    (void)written;
+  }
+  int fd_ = -1;
+};
 
 /// Throws tandem::error where `dir` holds the checkpoint of other tensors (names, sizes, dtypes, in any order) than
 /// `tensors`: a save of them would replace it, and it is most likely another model's (two DataParallel objects, of a
