@@ -14,6 +14,7 @@
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/comm.hpp"
 #include "tandem/tandem.hpp"
 
 namespace {
@@ -297,6 +298,44 @@ TEST_CASE("broadcast root out of range, tensor index out of range, step before b
     dp.step();
   });
   for (const std::string& msg : early) CHECK(msg.find("broadcast_parameters()") != std::string::npos);
+}
+
+namespace {
+
+// The suite's backend and communicator, each saying which device it uses, as CudaBackend and tandem::Nccl do.
+struct BackendOnDevice : test::Backend {
+  int on = 0;
+  int device() const { return on; }
+};
+struct CommOnDevice : test::CountingComm {
+  int on = 0;
+  int device() const { return on; }
+};
+static_assert(tandem::Communicator<CommOnDevice>);
+
+}  // namespace
+
+TEST_CASE("a communicator and a backend of different devices: that rank names both, every rank throws") {
+  const auto messages = run_ranks(3, [&](tandem::LocalComm& local, std::vector<tandem::TensorRef>& refs) {
+    CommOnDevice comm{{local}, local.rank()};  // rank r's GPU is r, as select_device makes it
+    BackendOnDevice backend;
+    backend.on = local.rank() == 2 ? 0 : local.rank();  // rank 2's backend was made before select_device
+    tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW, BackendOnDevice, CommOnDevice> dp(comm, refs, {}, {},
+                                                                                                    std::move(backend));
+  });
+  CHECK(messages[2] ==
+        "tandem: the communicator uses device 2 and the backend device 0: make the communicator and DataParallel with "
+        "the same device current (select_device first), or pass a backend of the communicator's device");
+  CHECK(messages[0] == "tandem: rank 2 failed: " + messages[2]);
+  CHECK(messages[1] == "tandem: rank 2 failed: " + messages[2]);
+  // The same devices on every rank: built.
+  CHECK(run_ranks(2, [&](tandem::LocalComm& local, std::vector<tandem::TensorRef>& refs) {
+          CommOnDevice comm{{local}, local.rank()};
+          BackendOnDevice backend;
+          backend.on = local.rank();
+          tandem::DataParallel<tandem::OptimizerSharded, tandem::AdamW, BackendOnDevice, CommOnDevice> dp(
+              comm, refs, {}, {}, std::move(backend));
+        }) == std::vector<std::string>(2));
 }
 
 namespace {

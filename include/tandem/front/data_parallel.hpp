@@ -1521,6 +1521,7 @@ class DataParallel {
     std::string problem;
     try {
       detail::validate(options_);
+      detail::check_same_device(comm_, backend_);
       Opt::validate(groups_[0]);
       layout_ = Layout(std::move(specs));
       detail::validate_one_dtype(layout_);

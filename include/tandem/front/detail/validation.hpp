@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -18,6 +19,22 @@
 #include "tandem/core/tensor.hpp"
 
 namespace tandem::detail {
+
+/// Throws where the communicator and the backend both say which device they use (tandem::Nccl and CudaBackend:
+/// the device current when each was made) and differ: NCCL would be handed memory and streams of another device, and
+/// fail or hang at the first collective. A rank's own check; the caller makes every rank learn of it.
+template <class Comm, class Backend>
+void check_same_device(const Comm& comm, const Backend& backend) {
+  if constexpr (requires {
+                  { comm.device() } -> std::convertible_to<int>;
+                  { backend.device() } -> std::convertible_to<int>;
+                })
+    if (comm.device() != backend.device())
+      fail("tandem: the communicator uses device " + std::to_string(comm.device()) + " and the backend device " +
+           std::to_string(backend.device()) +
+           ": make the communicator and DataParallel with the same device current (select_device first), or pass a "
+           "backend of the communicator's device");
+}
 
 /// The user's buffers of a layout (TensorRef i is layout tensor i): non-null, aligned to their element size, and no
 /// two overlapping (every parameter and gradient needs its own memory). Zero-size tensors may be anything.
