@@ -5,7 +5,9 @@
 
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -359,6 +361,47 @@ TEST_CASE("publish_blob refuses an empty key, a blob over the file limit, a path
   CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
                        doctest::Contains("a file it cannot use: its length does not match its header (truncated?)"),
                        tandem::timeout_error);
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("read_rendezvous: a change to any byte of a file is found; another format version; a file it cannot open") {
+  using tandem::detail::read_rendezvous;
+  using State = tandem::detail::RendezvousRead::State;
+  const std::string path = scratch_path("damaged");
+  const std::array<std::byte, 4> blob{std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}};
+  const auto good = tandem::detail::rendezvous_file("k", blob);
+  const auto write = [&](const auto& bytes) {
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  };
+  write(good);
+  REQUIRE(read_rendezvous(path, "k").state == State::ready);
+  for (std::size_t at = 0; at < good.size(); ++at) {  // magic, version, lengths, key, blob, checksum: none passes
+    CAPTURE(at);
+    auto bytes = good;
+    bytes[at] ^= 0x10;
+    write(bytes);
+    CHECK(read_rendezvous(path, "k").state != State::ready);
+  }
+  auto bytes = good;
+  bytes[good.size() - 9] ^= 0x01;  // the blob's last byte
+  write(bytes);
+  CHECK(read_rendezvous(path, "k").why == "its checksum does not match (corrupted?)");
+  // Another version of the format, whole (its checksum recomputed): named, not read as this one.
+  bytes = good;
+  const std::uint32_t other = tandem::detail::kRendezvousVersion + 1;
+  std::memcpy(bytes.data() + 8, &other, 4);
+  const std::uint64_t sum = tandem::detail::rendezvous_checksum(bytes.data(), bytes.size() - 8);
+  std::memcpy(bytes.data() + bytes.size() - 8, &sum, 8);
+  write(bytes);
+  CHECK(read_rendezvous(path, "k").why == "its format version is " + std::to_string(other) + ", not " +
+                                              std::to_string(tandem::detail::kRendezvousVersion));
+  // A path the system refuses to open (a file where a directory should be): said, where a missing file is waited for.
+  const tandem::detail::RendezvousRead refused = read_rendezvous(path + "/inside", "k");
+  CHECK(refused.state == State::unreadable);
+  CHECK(refused.why == "cannot open it: Not a directory");
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path + "/inside", "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("cannot open it: Not a directory"), tandem::timeout_error);
   std::filesystem::remove(path);
 }
 
