@@ -449,9 +449,10 @@ class DataParallel {
       problem = detail::problem_of(e, "creating the directory `" + dir + "`");  // (the error names it)
     }
     std::optional<detail::SaveLock> lock;  // rank 0's, from before any rank writes until the clean-up is done
+    std::vector<std::string> previous;     // the files of the checkpoint this save replaces (rank 0)
     if (rank_ == 0 && problem.empty()) try {
         lock.emplace(dir, "save_checkpoint");
-        detail::check_replaceable(dir, layout_.tensors());
+        previous = detail::check_replaceable(dir, layout_.tensors());
         id = detail::new_save_id();
       } catch (const std::exception& e) {
         problem = detail::problem_of(e, "reading the checkpoint `" + dir + "` this save would replace");
@@ -492,7 +493,7 @@ class DataParallel {
         for (int r = 0; r < world_; ++r)
           m.files.push_back({detail::shard_file_name(step_, id, r, world_), files[2 * static_cast<std::size_t>(r)],
                              static_cast<std::uint32_t>(files[2 * static_cast<std::size_t>(r) + 1])});
-        detail::commit_manifest(dir, m);
+        detail::commit_manifest(dir, m, &previous);
       } catch (const std::exception& e) {
         problem = detail::problem_of(e, "writing the manifest of the checkpoint `" + dir + "`");
       }

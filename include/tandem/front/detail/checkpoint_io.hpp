@@ -695,10 +695,12 @@ class SaveLock {
 /// Throws tandem::error where `dir` holds the checkpoint of other tensors (names, sizes, dtypes, in any order) than
 /// `tensors`: a save of them would replace it, and it is most likely another model's (two DataParallel objects, of a
 /// model's two parameter dtypes, saving to one directory); or a manifest.json that does not read (of a later version,
-/// damaged, or unreadable now), which may name such a checkpoint.
-TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vector<TensorSpec>& tensors) {
+/// damaged, or unreadable now), which may name such a checkpoint. Returns the files the checkpoint there names (none
+/// where there is none), for commit_manifest's clean-up: under the directory's SaveLock no other save changes them.
+TANDEM_COLD inline std::vector<std::string> check_replaceable(const std::string& dir,
+                                                              const std::vector<TensorSpec>& tensors) {
   check_directory_named(dir);
-  if (!std::filesystem::exists(dir + "/" + manifest_name)) return;
+  if (!std::filesystem::exists(dir + "/" + manifest_name)) return {};
   CheckpointManifest old;
   try {
     old = read_manifest(dir);
@@ -707,15 +709,18 @@ TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vec
          "): a checkpoint of a later tandem, or a damaged one, which this save would replace; save to another "
          "directory, or remove that checkpoint first. Nothing was changed");
   }
+  std::vector<std::string> files;
+  for (const CheckpointManifest::File& f : old.files) files.push_back(f.name);
+  const auto same = [](const TensorSpec& x, const TensorSpec& y) {
+    return x.name == y.name && x.numel == y.numel && x.dtype == y.dtype;
+  };
+  if (std::ranges::equal(tensors, old.tensors, same)) return files;  // the same model's save, in its order
   const auto sorted = [](std::vector<TensorSpec> v) {
     std::sort(v.begin(), v.end(), [](const TensorSpec& x, const TensorSpec& y) { return x.name < y.name; });
     return v;
   };
   const std::vector<TensorSpec> mine = sorted(tensors), theirs = sorted(old.tensors);
-  const auto same = [](const TensorSpec& x, const TensorSpec& y) {
-    return x.name == y.name && x.numel == y.numel && x.dtype == y.dtype;
-  };
-  if (std::ranges::equal(mine, theirs, same)) return;
+  if (std::ranges::equal(mine, theirs, same)) return files;
   std::string differ;
   for (std::size_t i = 0; differ.empty() && i < std::max(mine.size(), theirs.size()); ++i) {
     if (i < mine.size() && i < theirs.size() && same(mine[i], theirs[i])) continue;
@@ -734,7 +739,10 @@ TANDEM_COLD inline void check_replaceable(const std::string& dir, const std::vec
 /// one, then removes the files that only the previous one named and, where there was none or it read, those that
 /// crashed saves left (files of tandem's names, and their temporary files, that the new manifest does not name): a save
 /// next to an old checkpoint replaces it; a crash before the rename leaves it whole. Throws only before the rename.
-TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m) {
+/// `previous_files`: the files the checkpoint there names, as check_replaceable read them under the directory's
+/// SaveLock; null: read them here.
+TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m,
+                                        const std::vector<std::string>* previous_files = nullptr) {
   for (std::size_t i = 0; i < m.files.size(); ++i) {
     std::error_code e;
     const std::string file = dir + "/" + m.files[i].name;
@@ -746,13 +754,16 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
            " as rank 0 sees the directory: every rank must save to one directory on storage they share");
   }
   std::vector<std::string> previous;
-  bool previous_read = !std::filesystem::exists(dir + "/" + manifest_name);
-  try {
-    for (const CheckpointManifest::File& f : read_manifest(dir).files) previous.push_back(f.name);
-    previous_read = true;
-  } catch (const error&) {
-    // no previous checkpoint here, or one that does not read: nothing of it is known, so nothing is removed below
-  }
+  bool previous_read = previous_files != nullptr || !std::filesystem::exists(dir + "/" + manifest_name);
+  if (previous_files != nullptr)
+    previous = *previous_files;
+  else
+    try {
+      for (const CheckpointManifest::File& f : read_manifest(dir).files) previous.push_back(f.name);
+      previous_read = true;
+    } catch (const error&) {
+      // no previous checkpoint here, or one that does not read: nothing of it is known, so nothing is removed below
+    }
   const std::string text = manifest_json(m);
   if (text.size() > manifest_max_bytes)  // what is written can be read (read_text_file's limit)
     fail("tandem: the checkpoint manifest would take " + std::to_string(text.size()) + " bytes, over the " +
