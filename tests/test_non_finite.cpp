@@ -13,6 +13,7 @@
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/temp_path.hpp"
 #include "support/train.hpp"
 #include "tandem/tandem.hpp"
 
@@ -165,8 +166,7 @@ TEST_CASE_TEMPLATE("deferred reports: the device skips the poisoned step, and th
     CHECK(e.find("last_step(): non-finite gradients at 1 optimizer step(s) since the last report") !=
           std::string::npos);
   // A save is a report too, on every rank: it throws on each, and saves nothing.
-  const std::string dir = (std::filesystem::temp_directory_path() / "tandem_deferred_save").string();
-  std::filesystem::remove_all(dir);
+  const std::string dir = test::temp_path("deferred_save");
   const Outcome unsaved =
       train<P>(3, tandem::NonFinite::throw_error, Poison::inf_on_rank_0, false, tandem::StepReport::deferred, dir);
   CHECK(unsaved.params == left_out.params);
