@@ -146,6 +146,38 @@ TEST_CASE("detect_launch: each launcher's variables") {
     CHECK(info.local_size == 2);
     CHECK(contains(info.describe(), "SLURM_STEP_TASKS_PER_NODE=2"));
   }
+  SUBCASE("SLURM job step whose srun sets no SLURM_STEP_NUM_TASKS: the world size from SLURM_NTASKS") {
+    const auto info = detect({{"SLURM_PROCID", "2"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_NTASKS", "4"},
+                              {"SLURM_LOCALID", "0"},
+                              {"SLURM_NODEID", "1"},
+                              {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}});
+    CHECK(info.launcher == tandem::Launcher::slurm);
+    CHECK(info.rank == 2);
+    CHECK(info.world_size == 4);
+    CHECK(info.local_rank == 0);
+    CHECK(info.local_size == 2);
+    CHECK(info.missing.empty());
+    CHECK(contains(info.describe(), "rank 2 of 4, local rank 0 of 2"));
+    CHECK(contains(info.describe(), "SLURM_NTASKS=4"));
+  }
+  SUBCASE("srun --mpi=pmi2 whose srun sets no SLURM_STEP_NUM_TASKS: the PMI ranks matched by SLURM_NTASKS") {
+    const Env env = {
+        {"PMI_RANK", "3"},     {"PMI_SIZE", "4"},      {"SLURM_PROCID", "3"}, {"SLURM_STEP_ID", "0"},
+        {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "1"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}};
+    const auto info = detect(env);
+    CHECK(info.launcher == tandem::Launcher::pmi);
+    CHECK(info.local_rank == 1);
+    CHECK(info.local_size == 2);
+    CHECK(info.missing.empty());
+    CHECK(contains(info.describe(), "SLURM_PROCID=3, SLURM_NTASKS=4"));
+    CHECK(!contains(info.describe(), "ignored"));
+    // the allocation's task count is not the PMI world's: not the step's tasks, so not guessed
+    Env other = env;
+    other["SLURM_NTASKS"] = "8";
+    CHECK(!detect(other).local_rank);
+  }
   SUBCASE("a SLURM batch script without srun is no launch") {
     const auto info = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}});
     CHECK(info.launcher == tandem::Launcher::none);

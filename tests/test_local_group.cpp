@@ -732,6 +732,49 @@ TEST_CASE("LocalGroup: a rank that returns while others wait for it makes them t
   CHECK(Clock::now() - start < 1s);
 }
 
+TEST_CASE("LocalGroup: an unbounded timeout (milliseconds::max()) waits for a late rank; a failure still releases") {
+  // A wait without a deadline is another branch of the barrier (its deadline would overflow the clock).
+  LocalGroup group(3, {.timeout = std::chrono::milliseconds::max()});
+  std::vector<float> sums(3, 0.0f);
+  group.run([&](LocalComm& comm) {
+    if (comm.rank() == 2) std::this_thread::sleep_for(100ms);  // the others wait in all_reduce, not timing out
+    float v = static_cast<float>(comm.rank() + 1);
+    comm.all_reduce(&v, &v, 1, DType::fp32, ReduceOp::sum);
+    sums[static_cast<std::size_t>(comm.rank())] = v;
+  });
+  CHECK(sums == std::vector<float>(3, 6.0f));
+
+  std::vector<std::string> peer(3);
+  auto start = Clock::now();
+  CHECK_THROWS_AS(group.run([&](LocalComm& comm) {
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(50ms);  // ranks 0 and 2 wait in all_reduce by now
+      throw BodyFailure("boom");
+    }
+    float v = 1.0f;
+    try {
+      comm.all_reduce(&v, &v, 1, DType::fp32, ReduceOp::sum);
+    } catch (const tandem::peer_error& e) {
+      peer[static_cast<std::size_t>(comm.rank())] = e.what();
+      throw;
+    }
+  }),
+                  BodyFailure);
+  CHECK(Clock::now() - start < 1s);
+  CHECK(peer[0] == "tandem: rank 1 failed: boom");
+  CHECK(peer[2] == "tandem: rank 1 failed: boom");
+
+  start = Clock::now();
+  CHECK_THROWS_WITH_AS(group.run([&](LocalComm& comm) {
+    if (comm.rank() == 1)
+      std::this_thread::sleep_for(50ms);
+    else
+      comm.barrier();
+  }),
+                       doctest::Contains("rank 1 already returned from its body"), tandem::error);
+  CHECK(Clock::now() - start < 1s);
+}
+
 TEST_CASE("LocalGroup: a rank that does not arrive in time makes the waiting ranks throw timeout_error") {
   for (int size : {2, 4}) {
     INFO("size " << size);

@@ -382,6 +382,25 @@ TEST_CASE("unequal batches: all_ranks_have_batch stops every rank after the shor
     CHECK(same_bits(all.data() + static_cast<std::size_t>(q) * mine.size(), mine.data(), mine.size()));
 }
 
+TEST_CASE("all_ranks_have_batch: ranks that took different numbers of micro-steps are told so on every rank") {
+  // Accumulation 2 under Replicated: the first micro-step runs no collective, so nothing else catches the extra
+  // step() on rank 1.
+  const test::TrainSetup setup;
+  const mlp::Dataset data = test::make_dataset(setup);
+  tandem::Mpi comm(MPI_COMM_WORLD, {.timeout = 60s});
+  mlp::Mlp<float> model(setup.dims, setup.seed);
+  tandem::DataParallel<tandem::Replicated, tandem::AdamW, tandem::HostBackend, tandem::Mpi> dp(
+      comm, model.tensors(), adamw, {.accumulation_steps = 2});
+  model.forward_backward(data, 0, 4);
+  if (comm.rank() == 1) dp.step();
+  CHECK_THROWS_WITH_AS(dp.all_ranks_have_batch(tandem::Batch::available),
+                       doctest::Contains("rank 0 has taken 0 micro-steps but rank 1 has taken 1"), tandem::error);
+  // The communicator stays usable: every rank goes on together.
+  float one = 1.0f;
+  comm.all_reduce(&one, &one, 1, tandem::DType::fp32, tandem::ReduceOp::sum);
+  CHECK(one == static_cast<float>(comm.size()));
+}
+
 TEST_CASE("a rank that stops early and destroys its Mpi: the others fail at once, naming it") {
   const test::TrainSetup setup;
   const mlp::Dataset data = test::make_dataset(setup);
