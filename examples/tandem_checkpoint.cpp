@@ -36,10 +36,13 @@ int main(int argc, char** argv) {
     if (args.size() == 2 && args[0] == "verify" && paths(1)) {
       const tandem::CheckpointSummary s = tandem::verify_checkpoint(args[1]);
       const tandem::CheckpointManifest& m = s.manifest;
-      std::printf("%s: step %llu, saved by %s at %u ranks, %zu %s tensors%s, %zu files, %llu bytes: verified\n",
-                  args[1].c_str(), static_cast<unsigned long long>(m.step), m.policy.c_str(), m.world_size,
-                  m.tensors.size(), tandem::dtype_name(m.param_dtype), m.parameters_only ? " (parameters only)" : "",
-                  m.files.size(), static_cast<unsigned long long>(s.bytes));
+      const std::string skipped =
+          m.skipped_steps == 0 ? "" : " (" + std::to_string(m.skipped_steps) + " more skipped: non-finite gradients)";
+      std::printf("%s: step %llu%s, saved by %s at %u ranks, %zu %s tensors%s, %zu files, %llu bytes: verified\n",
+                  args[1].c_str(), static_cast<unsigned long long>(m.step), skipped.c_str(), m.policy.c_str(),
+                  m.world_size, m.tensors.size(), tandem::dtype_name(m.param_dtype),
+                  m.parameters_only ? " (parameters only)" : "", m.files.size(),
+                  static_cast<unsigned long long>(s.bytes));
       for (const auto& [key, value] : m.metadata)  // the program's records, as JSON strings (any text prints)
         std::printf("  metadata %s: %s\n", tandem::detail::json::quote(key).c_str(),
                     tandem::detail::json::quote(value).c_str());

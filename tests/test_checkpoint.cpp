@@ -17,6 +17,7 @@
 #include <functional>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1000,6 +1001,206 @@ TEST_CASE("saves into one directory from two groups of ranks at once: each commi
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("loads while another job saves into the directory: each reads one whole checkpoint") {
+  // A save commits, then removes the files only the checkpoint it replaced named: a load that read the replaced
+  // manifest finds its files gone, or its ranks read two manifests. Such a load reads the directory again.
+  const std::string dir = temp_path("reading_while_saving");
+  constexpr int saves = 30;
+  std::array<Params, saves> saved;  // the saving job's parameters at each save, by step count - 1
+  std::atomic<int> committed{0};
+  std::atomic<bool> saving_failed{false};
+  std::mutex m;
+  std::vector<std::string> failures;
+  std::vector<std::pair<std::uint64_t, Params>> loaded;  // the loading job's: step count and parameters
+  {
+    std::jthread saving([&] {
+      try {
+        tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+          mlp::Mlp<float> model(dims, 30);
+          test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f});
+          dp.broadcast_parameters();
+          for (int step = 0; step < saves; ++step) {
+            model.forward_backward(dataset(), step * global_batch + comm.rank() * 12, 12);
+            dp.step();
+            dp.save_checkpoint(dir);
+            if (comm.rank() == 0) {
+              saved[static_cast<std::size_t>(step)] = as_float(model.params());
+              committed.store(step + 1);
+            }
+          }
+        });
+      } catch (const std::exception& e) {
+        const std::lock_guard lock(m);
+        failures.push_back(std::string("the saving job: ") + e.what());
+        saving_failed = true;
+      }
+    });
+    while (committed.load() == 0 && !saving_failed.load()) std::this_thread::yield();
+    REQUIRE(!saving_failed.load());
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 40);
+      test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f},
+                                                                    {.bucket_cap_bytes = 2048});
+      // Until a load reads the last save; the ranks agree on the step count (a failed load throws on every rank).
+      for (int failed = 0; dp.step_count() != static_cast<std::uint64_t>(saves) && failed < 10 && !saving_failed;) {
+        const std::string message = test::message_of([&] { dp.load_checkpoint(dir); });
+        failed += message != "(no error)";
+        if (comm.rank() != 0) continue;
+        const std::lock_guard lock(m);
+        if (message != "(no error)")
+          failures.push_back(message);
+        else
+          loaded.emplace_back(dp.step_count(), as_float(model.params()));
+      }
+    });
+  }
+  for (const std::string& failure : failures) FAIL_CHECK(failure);
+  REQUIRE(!loaded.empty());
+  for (const auto& [step, params] : loaded) {
+    REQUIRE((step >= 1 && step <= saves));
+    CHECK(params == saved[step - 1]);
+  }
+  CHECK(loaded.back().first == saves);
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+// Rewrites the manifest of the checkpoint in `dir` with other contents, through a rename, as a save's commit would:
+// its policy, which is a record only, toggled between OptimizerSharded and Replicated.
+void rewrite_manifest(const std::string& dir) {
+  const std::string path = dir + "/manifest.json";
+  std::string text = tandem::detail::read_text_file(path, "the manifest");
+  const std::string a = "\"policy\": \"OptimizerSharded\"", b = "\"policy\": \"Replicated\"";
+  if (const auto at = text.find(a); at != std::string::npos)
+    text.replace(at, a.size(), b);
+  else if (const auto at_b = text.find(b); at_b != std::string::npos)
+    text.replace(at_b, b.size(), a);
+  else
+    FAIL("the manifest names neither policy");
+  {
+    std::ofstream out(path + ".test", std::ios::binary);
+    out << text;
+  }
+  std::filesystem::rename(path + ".test", path);
+}
+
+}  // namespace
+
+TEST_CASE("a load that saves overtake: read again by every rank together; after 5 attempts, said, nothing changed") {
+  using tandem::detail::LoadPhase;
+  const std::string dir = temp_path("overtaken");
+  const Params saved = train<tandem::OptimizerSharded>(2, 0, 2, Action::save, dir);
+  for (int overtakes : {2, tandem::detail::checkpoint_load_attempts}) {
+    CAPTURE(overtakes);
+    std::atomic<int> read_by_rank_0{0};
+    std::array<int, 2> readings{};
+    std::array<std::string, 2> messages;
+    Params before, after;
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      const int rank = comm.rank();
+      mlp::Mlp<float> model(dims, 70);
+      test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors(), {.lr = 3e-3f});
+      // A save commits after rank 0 read the checkpoint and before rank 1 reads it, at the first `overtakes` attempts.
+      tandem::detail::checkpoint_load_hook() = [&](int attempt, LoadPhase phase) {
+        if (phase == LoadPhase::reading) ++readings[static_cast<std::size_t>(rank)];
+        if (rank == 0 && phase == LoadPhase::read) read_by_rank_0 = attempt;
+        if (rank == 1 && phase == LoadPhase::reading && attempt <= overtakes) {
+          while (read_by_rank_0.load() < attempt) std::this_thread::yield();
+          rewrite_manifest(dir);
+        }
+      };
+      if (rank == 0) before = as_float(model.params());
+      messages[static_cast<std::size_t>(rank)] = test::message_of([&] { dp.load_checkpoint(dir); });
+      tandem::detail::checkpoint_load_hook() = nullptr;
+      CHECK(dp.step_count() == (overtakes < tandem::detail::checkpoint_load_attempts ? 2u : 0u));
+      if (rank == 0) after = as_float(model.params());
+    });
+    if (overtakes < tandem::detail::checkpoint_load_attempts) {
+      CHECK(messages == std::array<std::string, 2>{"(no error)", "(no error)"});
+      CHECK(readings == std::array<int, 2>{overtakes + 1, overtakes + 1});
+      CHECK(after == saved);
+    } else {
+      const std::string why =
+          "tandem: load_checkpoint: ranks 0 and 1 read different checkpoints (both of step 2); every rank must load "
+          "the same one. Nothing was changed (saves into `" +
+          dir + "` replaced the checkpoint while it was read, 5 times in a row: load it when they pause)";
+      CHECK(messages == std::array<std::string, 2>{why, why});
+      CHECK(readings == std::array<int, 2>{5, 5});
+      CHECK(after == before);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a load that must open again a file a save removed: it reads the new checkpoint whole") {
+  // At one rank a checkpoint of two is read from both files; with one file open at a time, the load opens the first
+  // again to copy from it, after a save (made before the copy) replaced the checkpoint and removed that file.
+  using tandem::detail::LoadPhase;
+  const std::string dir = temp_path("reopened");
+  train<tandem::OptimizerSharded>(2, 0, 2, Action::save, dir);
+  Params newer, loaded;
+  int readings = 0;
+  std::uint64_t step = 0;
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 5);
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(
+        comm, model.tensors(), {.lr = 3e-3f, .weight_decay = 0.05f},
+        {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+    const std::size_t open = tandem::detail::checkpoint_max_open_files();
+    tandem::detail::checkpoint_max_open_files() = 1;
+    tandem::detail::checkpoint_load_hook() = [&](int attempt, LoadPhase phase) {
+      readings += phase == LoadPhase::reading;
+      if (phase == LoadPhase::copying && attempt == 1)
+        std::thread([&] { newer = train<tandem::OptimizerSharded>(2, 0, 3, Action::save, dir); }).join();
+    };
+    const std::string message = test::message_of([&] { dp.load_checkpoint(dir); });
+    tandem::detail::checkpoint_load_hook() = nullptr;
+    tandem::detail::checkpoint_max_open_files() = open;
+    CHECK(message == "(no error)");
+    step = dp.step_count();
+    loaded = as_float(model.params());
+  });
+  CHECK(readings == 2);
+  CHECK(step == 3);
+  CHECK(loaded == newer);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a load one rank refuses for its own call is not read again") {
+  const std::string dir = temp_path("refused_load");
+  std::array<std::string, 2> messages;
+  std::array<int, 2> readings{};
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    const int rank = comm.rank();
+    mlp::Mlp<float> model(dims, 1);
+    std::vector<tandem::TensorSpec> specs;
+    for (const auto& t : model.tensors()) specs.push_back({t.name, t.numel});
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(
+        comm, specs, {}, {.bucket_cap_bytes = 1024, .first_bucket_cap_bytes = 512, .gradient_buffers = 1});
+    dp.broadcast_parameters();
+    dp.step();
+    dp.save_checkpoint(dir);
+    tandem::detail::checkpoint_load_hook() = [&](int, tandem::detail::LoadPhase phase) {
+      readings[static_cast<std::size_t>(rank)] += phase == tandem::detail::LoadPhase::reading;
+    };
+    {
+      std::optional<decltype(dp.gradients(0))> bucket;  // rank 1's, open through the load
+      if (rank == 1) bucket.emplace(dp.gradients(0));
+      messages[static_cast<std::size_t>(rank)] = test::message_of([&] { dp.load_checkpoint(dir); });
+      if (rank == 0) bucket.emplace(dp.gradients(0));  // (releasing a bucket reduces it: on every rank)
+    }
+    dp.discard_gradients();
+    tandem::detail::checkpoint_load_hook() = nullptr;
+  });
+  const std::string why =
+      "tandem: load_checkpoint while bucket 0's GradientBucket is still open; release it (let it go out of scope) "
+      "first";
+  CHECK(messages == std::array<std::string, 2>{"tandem: rank 1 failed: " + why, why});
+  CHECK(readings == std::array<int, 2>{1, 0});
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("names: a sharded checkpoint holds any; the earlier format writes only what it reads (4096 bytes)") {
   const std::string path = temp_path("long_name");
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
@@ -1149,7 +1350,7 @@ TEST_CASE("ranks that load different checkpoints all throw, and nothing changes;
   {  // the same step: told apart by their contents (the manifest names each save's own files)
     const auto [messages, steps] = load(early, again);
     for (const std::string& m : messages)
-      CHECK(m.find("read different checkpoints (steps 2 and 2)") != std::string::npos);
+      CHECK(m.find("read different checkpoints (both of step 2)") != std::string::npos);
     CHECK(steps == std::vector<std::uint64_t>{0, 0});
   }
   {  // a copy of the directory holds the same checkpoint

@@ -454,6 +454,7 @@ TEST_CASE("safetensors: an entry in any valid form parses as the same entry in t
 TEST_CASE("the manifest: written, parsed back the same, and refused when incomplete or of another version") {
   tandem::CheckpointManifest m;
   m.step = 12;
+  m.skipped_steps = 3;
   m.policy = "GradientSharded";
   m.world_size = 2;
   m.optimizer = "AdamW";
@@ -467,6 +468,7 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
   const std::string text = tandem::detail::manifest_json(m);
   const tandem::CheckpointManifest back = tandem::detail::parse_manifest(text, "m");
   CHECK(back.step == 12);
+  CHECK(back.skipped_steps == 3);
   CHECK(back.optimizer_fingerprint == m.optimizer_fingerprint);
   CHECK(back.param_dtype == tandem::DType::bf16);
   CHECK(back.tensors[0].name == "w \"quoted\"");
@@ -490,6 +492,7 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
     CHECK(r.files[0].bytes == 5);
     CHECK(r.files[0].header_crc == 0xffu);
     CHECK(r.parameters_only);
+    CHECK(r.skipped_steps == 0);  // (a manifest of a save before skipped_steps was recorded has none)
   }
   auto broken = [&](const std::string& from, const std::string& to) {
     std::string t = text;
@@ -501,6 +504,8 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
       {broken("\"version\": 2", "\"version\": 3"), "format version 3"},
       {broken("\"tandem-checkpoint\"", "\"other\""), "is not a tandem checkpoint manifest"},
       {broken("\"step\": 12,", ""), "lacks `step`"},
+      {broken("\"skipped_steps\": 3", "\"skipped_steps\": -3"), "an implausible `skipped_steps`"},
+      {broken("\"skipped_steps\": 3", "\"skipped_steps\": \"3\""), "lacks `skipped_steps`"},
       {broken("r1.safetensors", "../r1.safetensors"), "outside its directory"},
       {broken("\"world_size\": 2", "\"world_size\": 3"), "lists 2 files for 3 ranks"},
       {broken("\"dtype\": \"bf16\"", "\"dtype\": \"fp32\""), "a dtype other than param_dtype"},

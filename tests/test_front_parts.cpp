@@ -291,7 +291,7 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   const tandem::StreamHostBackend::Buffer<double> sum = be.allocate<double>(1);
   be.copy(sum.data(), squares.data(), sizeof(double), s);
   prepare(groups, {.sum_of_squares = sum.data(), .average = 0.5f, .max_grad_norm = 1.0f});
-  const tandem::detail::StepRecord record = control.record(be, s);
+  tandem::detail::StepRecord record = control.record(be, s);
   CHECK(record.verdict == tandem::detail::StepVerdict::update);
   CHECK(record.step == 8);
   CHECK(record.grad_norm == 5.0);
@@ -307,8 +307,12 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   }
   CHECK(scale == tandem::detail::mul_rn(0.5f, tandem::detail::clip_coefficient(5.0, 1.0f)));
   CHECK(scale < 0.5f * 0.2f + 1e-6f);
-  // the count set again (a checkpoint's load at step 0): the next step is the first
-  control.set_step(be, 0, s);
+  // the count set again (a checkpoint's load at step 0, with 7 steps skipped before it): the next step is the first
+  control.set_step(be, 0, 7, s);
+  record = control.record(be, s);
+  CHECK(record.verdict == tandem::detail::StepVerdict::none);
+  CHECK(record.step == 0);
+  CHECK(record.non_finite_steps == 7);
   groups.resize(2);
   prepare(groups, {.average = 0.25f});
   be.read(got.data(), control.scalars(0), 2 * sizeof(tandem::SGD::Scalars), s);

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <mutex>
@@ -174,5 +175,77 @@ TEST_CASE_TEMPLATE("deferred reports: the device skips the poisoned step, and th
     CHECK(e.find("save_checkpoint: non-finite gradients at 1 optimizer step(s) since the last report") !=
           std::string::npos);
   CHECK(!std::filesystem::exists(dir + "/manifest.json"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("skipped_steps() travels with a checkpoint: a resumed run counts on from it, a rollback returns to it") {
+  const std::string dir = test::temp_path("skipped_steps");
+  const tandem::DataParallelOptions skip{.bucket_cap_bytes = 1024, .non_finite = tandem::NonFinite::skip_step};
+  // Step `step`'s micro-step on `comm`'s rank, its gradients poisoned on the last rank where `poisoned`.
+  auto step = [](auto& dp, mlp::Mlp<float>& model, const tandem::LocalComm& comm, int step, bool poisoned) {
+    const int local = 24 / comm.size();
+    model.forward_backward(dataset(), step * 24 + comm.rank() * local, local);
+    if (poisoned && comm.rank() == comm.size() - 1) model.grads()[1][0] = std::nanf("");
+    return dp.step();
+  };
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 2);
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f}, skip);
+    for (int s = 0; s < 6; ++s) step(dp, model, comm, s, s == 1 || s == 3);
+    CHECK(dp.step_count() == 4);
+    CHECK(dp.skipped_steps() == 2);
+    dp.save_checkpoint(dir);
+    CHECK(step(dp, model, comm, 6, true).skipped);
+    CHECK(dp.skipped_steps() == 3);
+    dp.load_checkpoint(dir);  // a rollback: the checkpoint's count again
+    CHECK(dp.step_count() == 4);
+    CHECK(dp.skipped_steps() == 2);
+    CHECK(step(dp, model, comm, 6, true).skipped);
+    CHECK(dp.skipped_steps() == 3);
+  });
+  CHECK(tandem::verify_checkpoint(dir).manifest.skipped_steps == 2);
+  // Resumed in another run, at another world size and under another policy: counted on from the checkpoint's.
+  tandem::LocalGroup(3).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 9);
+    test::DataParallel<tandem::GradientSharded, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f}, skip);
+    dp.load_checkpoint(dir);
+    CHECK(dp.skipped_steps() == 2);
+    CHECK(step(dp, model, comm, 6, true).skipped);
+    CHECK(dp.skipped_steps() == 3);
+    CHECK(step(dp, model, comm, 7, false).updated);
+    CHECK(dp.step_count() == 5);
+    CHECK(dp.skipped_steps() == 3);
+  });
+  // Under throw_error the count is kept, and only a step whose gradients are not finite throws, named as the one.
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 9);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f},
+                                                             {.non_finite = tandem::NonFinite::throw_error});
+    dp.load_checkpoint(dir);
+    CHECK(dp.skipped_steps() == 2);
+    CHECK(step(dp, model, comm, 6, false).updated);
+    CHECK_THROWS_WITH_AS(step(dp, model, comm, 7, true), doctest::Contains("non-finite gradients at optimizer step 6"),
+                         tandem::error);
+    CHECK(dp.step_count() == 5);
+    CHECK(dp.skipped_steps() == 2);
+  });
+  // A manifest of a save before the count was recorded has none: 0.
+  const std::string manifest = dir + "/manifest.json";
+  std::string text = tandem::detail::read_text_file(manifest, "the manifest");
+  const std::string member = "\"skipped_steps\": 2, ";
+  REQUIRE(text.find(member) != std::string::npos);
+  text.erase(text.find(member), member.size());
+  std::FILE* f = std::fopen(manifest.c_str(), "wb");
+  REQUIRE(f != nullptr);
+  CHECK(std::fwrite(text.data(), 1, text.size(), f) == text.size());
+  std::fclose(f);
+  tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 9);
+    test::DataParallel<tandem::Replicated, tandem::AdamW> dp(comm, model.tensors(), {.lr = 1e-2f}, skip);
+    CHECK(step(dp, model, comm, 0, true).skipped);
+    dp.load_checkpoint(dir);
+    CHECK(dp.step_count() == 4);
+    CHECK(dp.skipped_steps() == 0);
+  });
   std::filesystem::remove_all(dir);
 }

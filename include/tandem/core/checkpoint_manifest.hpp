@@ -3,10 +3,10 @@
 // written last, which names them. The manifest is the set: a checkpoint exists once its manifest is renamed into
 // place, so a save that crashes leaves the previous manifest, and the files it names, as they were.
 //
-//   manifest.json      {"format": "tandem-checkpoint", "version": 2, "step": 120, "policy": "GradientSharded",
-//                       "world_size": 4, "optimizer": "AdamW", "optimizer_fingerprint": "9f3c...", "state_count": 2,
-//                       "param_dtype": "bf16", "bucket_cap_bytes": ..., "first_bucket_cap_bytes": ...,
-//                       "parameters_only": false, "metadata": {"data_seed": "7", ...},
+//   manifest.json      {"format": "tandem-checkpoint", "version": 2, "step": 120, "skipped_steps": 3,
+//                       "policy": "GradientSharded", "world_size": 4, "optimizer": "AdamW", "optimizer_fingerprint":
+//                       "9f3c...", "state_count": 2, "param_dtype": "bf16", "bucket_cap_bytes": ...,
+//                       "first_bucket_cap_bytes": ..., "parameters_only": false, "metadata": {"data_seed": "7", ...},
 //                       "tensors": [{"name": ..., "numel": ..., "dtype": ...}, ...],
 //                       "files": [{"name": ..., "bytes": ..., "header_crc32c": "1a2b3c4d"}, ...]}
 //   <files[r].name>    rank r's part: for every bucket of the saving plan (its tensor list, its world size and bucket
@@ -52,6 +52,9 @@ struct CheckpointManifest {
     std::uint32_t header_crc = 0;  ///< CRC-32C of the file's header, which records each tensor's CRC-32C
   };
   std::uint64_t step = 0;
+  /// Optimizer steps skipped for non-finite gradients before the save (DataParallel::skipped_steps(); 0 in a manifest
+  /// of a save before it was recorded). A record of the run, beside the step, outside the shards' checksums.
+  std::uint64_t skipped_steps = 0;
   std::string policy;  ///< the policy that saved it (informational: any policy loads it)
   std::uint32_t world_size = 1;
   std::string optimizer;  ///< empty for a parameters-only checkpoint
@@ -93,11 +96,12 @@ TANDEM_COLD inline void check_checkpoint_metadata(const CheckpointMetadata& meta
 inline std::string manifest_json(const CheckpointManifest& m) {
   using json::quote;
   std::string s = "{\"format\": \"tandem-checkpoint\", \"version\": " + std::to_string(manifest_version) +
-                  ", \"step\": " + std::to_string(m.step) + ", \"policy\": " + quote(m.policy) +
-                  ", \"world_size\": " + std::to_string(m.world_size) + ", \"optimizer\": " + quote(m.optimizer) +
-                  ", \"optimizer_fingerprint\": \"" + hex16(m.optimizer_fingerprint) +
-                  "\", \"state_count\": " + std::to_string(m.state_count) + ", \"param_dtype\": \"" +
-                  dtype_name(m.param_dtype) + "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
+                  ", \"step\": " + std::to_string(m.step) + ", \"skipped_steps\": " + std::to_string(m.skipped_steps) +
+                  ", \"policy\": " + quote(m.policy) + ", \"world_size\": " + std::to_string(m.world_size) +
+                  ", \"optimizer\": " + quote(m.optimizer) + ", \"optimizer_fingerprint\": \"" +
+                  hex16(m.optimizer_fingerprint) + "\", \"state_count\": " + std::to_string(m.state_count) +
+                  ", \"param_dtype\": \"" + dtype_name(m.param_dtype) +
+                  "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
                   ", \"first_bucket_cap_bytes\": " + std::to_string(m.first_bucket_cap_bytes) +
                   ", \"parameters_only\": " + (m.parameters_only ? "true" : "false") + ",\n \"metadata\": {";
   for (auto it = m.metadata.begin(); it != m.metadata.end(); ++it)
@@ -250,6 +254,7 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
          std::to_string(manifest_version));
   CheckpointManifest m;
   m.step = count(root, "step", UINT64_MAX);
+  if (root.find("skipped_steps") != nullptr) m.skipped_steps = count(root, "skipped_steps", UINT64_MAX);
   m.policy = member(root, "policy", Value::Kind::string).string;
   m.world_size = static_cast<std::uint32_t>(count(root, "world_size", 1u << 24));
   if (m.world_size == 0) bad("has world_size 0");

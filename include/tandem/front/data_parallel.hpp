@@ -394,13 +394,13 @@ class DataParallel {
     backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
   }
 
-  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count) as a sharded
-  /// checkpoint in directory `dir` (created if missing): every rank writes its shard of every bucket to a safetensors
-  /// file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes manifest.json,
-  /// which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the previous
-  /// checkpoint in `dir` whole; after it, the previous one's files are removed, and those crashed saves left. `dir`
-  /// must be one directory that every rank sees (shared storage: rank 0 checks that it finds every rank's file), and
-  /// one model's: a checkpoint of other tensors there is not replaced, and a second save into it while one runs
+  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count; and skipped_steps())
+  /// as a sharded checkpoint in directory `dir` (created if missing): every rank writes its shard of every bucket to a
+  /// safetensors file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes
+  /// manifest.json, which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the
+  /// previous checkpoint in `dir` whole; after it, the previous one's files are removed, and those crashed saves left.
+  /// `dir` must be one directory that every rank sees (shared storage: rank 0 checks that it finds every rank's file),
+  /// and one model's: a checkpoint of other tensors there is not replaced, and a second save into it while one runs
   /// (another job's) is refused on every rank (detail::SaveLock, `dir`/.tandem-save.lock, which stays). Collective;
   /// call it between optimizer steps, not inside an accumulation window. If any rank fails, every rank throws
   /// tandem::error; where the collective after the manifest's rename fails, whether it was written is unknown, and
@@ -480,6 +480,7 @@ class DataParallel {
     if (rank_ == 0) try {
         CheckpointManifest m;
         m.step = step_;
+        m.skipped_steps = skipped_;
         m.policy = P::name;
         m.world_size = static_cast<std::uint32_t>(world_);
         m.optimizer = Opt::name;
@@ -515,95 +516,143 @@ class DataParallel {
   /// parameters-only one (tandem_checkpoint import: the parameters; master weights derived, optimizer state and step
   /// zero), or a single file of tandem's earlier format. The tensors (names, sizes, dtypes) and the optimizer must
   /// match. Collective. Every rank reads and checks the manifest (or file) before anything is changed; if any rank
-  /// fails there, or the ranks read different checkpoints, every rank throws and nothing changed. A slice that fails
-  /// its checksum while it is restored makes every rank throw too; the state is then partly overwritten, and stepping
-  /// is refused until a load succeeds. The accumulation window starts clean (no gradient of a half-finished window
-  /// survives). The restored state is bit for bit the saved one, and the user's parameter buffers receive it. Returns
-  /// the metadata save_checkpoint kept with it (none from a parameters-only checkpoint or a single file).
+  /// fails there, or the ranks read different checkpoints, every rank throws and nothing changed. Where a save (another
+  /// job's: a load takes no lock) commits into the directory while the ranks read it, so that they read two manifests
+  /// or a file of the one they read is gone, they read it again, together, up to detail::checkpoint_load_attempts times
+  /// in all. A slice that fails its checksum while it is restored makes every rank throw too; the state is then partly
+  /// overwritten, and stepping is refused until a load succeeds. The accumulation window starts clean (no gradient of a
+  /// half-finished window survives). The restored state is bit for bit the saved one, and the user's parameter buffers
+  /// receive it. Returns the metadata save_checkpoint kept with it (none from a parameters-only checkpoint or a single
+  /// file).
   TANDEM_COLD CheckpointMetadata load_checkpoint(const std::string& path) {
     check_live("load_checkpoint");  // a moved-from object has no state to restore, nor a collective to take part in
-    std::string problem;
-    std::optional<CheckpointData> single;
-    std::optional<detail::ShardedCheckpoint> sharded;
-    std::uint64_t step = 0, content = 0;
-    try {
-      check_no_open_bucket("load_checkpoint");
-      check_no_open_parameters("load_checkpoint");
-      if (std::filesystem::is_directory(path)) {
-        const std::string manifest = path + "/" + detail::manifest_name;
-        if (!std::filesystem::exists(manifest))
-          detail::fail("tandem: the checkpoint `" + path + "` has no " + detail::manifest_name +
-                       ": it is not a checkpoint, or its first save did not finish");
-        const std::string text = detail::read_text_file(manifest, "the checkpoint manifest");
-        CheckpointManifest m = detail::parse_manifest(text, manifest);
-        detail::check_manifest(m, path, layout_, Opt::name, state_.state_count(), pdtype_);
-        step = m.parameters_only ? 0 : m.step;
-        content = detail::crc32c(text.data(), text.size());
-        sharded.emplace(path, std::move(m), layout_);
-        // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
-        detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::check);
-      } else {
-        if (std::filesystem::path(path).filename() == detail::manifest_name)
-          detail::fail("tandem: `" + path + "` is the manifest of a sharded checkpoint: load its directory, `" +
-                       std::filesystem::path(path).parent_path().string() + "`");
-        single = read_checkpoint(path);
-        detail::check_checkpoint(*single, path, layout_, Opt::name, state_.state_count(), pdtype_);
-        step = single->step;
-        content = single->content_id;
-      }
-    } catch (const std::exception& e) {
-      problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
-    }
-    all_ranks_succeed(problem);
-    // Every rank must restore the same state: the same checkpoint's contents (or a copy of them), hence the same step.
-    const std::vector<std::uint64_t> read = all_gather_words({step, content});
-    for (int r = 1; r < world_; ++r)
-      if (read[2 * static_cast<std::size_t>(r)] != read[0] || read[2 * static_cast<std::size_t>(r) + 1] != read[1])
-        detail::fail("tandem: load_checkpoint: ranks 0 and " + std::to_string(r) +
-                     " read different checkpoints (steps " + std::to_string(read[0]) + " and " +
-                     std::to_string(read[2 * static_cast<std::size_t>(r)]) +
-                     "); every rank must load the same one. Nothing was changed");
-    StreamScope scope(*this, Exit::leave);
-    if (single) {
-      // The copies read `single` as late as when they run on the work stream (the stream-faithful backend's rule),
-      // so it must outlive them: the synchronize below.
-      detail::restore_checkpoint<P>(backend_, plan_, layout_, rank_, state_, *single);
-      backend_.synchronize(work_stream());
-    } else {
+    // A save that commits into the directory while the ranks read it (another job's: a load takes no lock) removes the
+    // files of the checkpoint it replaces: a rank then cannot open one, or open again one it closed (and on NFS, reads
+    // of one that another node removed fail), or the ranks read two manifests. They then read it again, together.
+    const auto during = [&](bool saving, int attempt) {
+      return saving ? " (saves into `" + path + "` replaced the checkpoint while it was read, " +
+                          std::to_string(attempt) + " times in a row: load it when they pause)"
+                    : std::string();
+    };
+    for (int attempt = 1;; ++attempt) {
+      const auto hook = [&](detail::LoadPhase phase) {
+        if (const auto& h = detail::checkpoint_load_hook()) h(attempt, phase);
+      };
+      std::string problem;
+      std::optional<CheckpointData> single;
+      std::optional<detail::ShardedCheckpoint> sharded;
+      std::uint64_t step = 0, content = 0;
+      bool looked = false;  // this rank looked for the checkpoint (the checks of its own calls passed)
       try {
-        detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::copy);
+        check_no_open_bucket("load_checkpoint");
+        check_no_open_parameters("load_checkpoint");
+        looked = true;
+        hook(detail::LoadPhase::reading);
+        if (std::filesystem::is_directory(path)) {
+          const std::string manifest = path + "/" + detail::manifest_name;
+          if (!std::filesystem::exists(manifest))
+            detail::fail("tandem: the checkpoint `" + path + "` has no " + detail::manifest_name +
+                         ": it is not a checkpoint, or its first save did not finish");
+          const std::string text = detail::read_text_file(manifest, "the checkpoint manifest");
+          content = detail::crc32c(text.data(), text.size());
+          CheckpointManifest m = detail::parse_manifest(text, manifest);
+          detail::check_manifest(m, path, layout_, Opt::name, state_.state_count(), pdtype_);
+          step = m.parameters_only ? 0 : m.step;
+          sharded.emplace(path, std::move(m), layout_);
+          // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
+          detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::check);
+        } else {
+          if (std::filesystem::path(path).filename() == detail::manifest_name)
+            detail::fail("tandem: `" + path + "` is the manifest of a sharded checkpoint: load its directory, `" +
+                         std::filesystem::path(path).parent_path().string() + "`");
+          single = read_checkpoint(path);
+          detail::check_checkpoint(*single, path, layout_, Opt::name, state_.state_count(), pdtype_);
+          step = single->step;
+          content = single->content_id;
+        }
       } catch (const std::exception& e) {
         problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
       }
-      try {
+      if (looked) hook(detail::LoadPhase::read);
+      // Every rank must restore the same state: the same checkpoint's contents (or a copy of them), hence the same
+      // step.
+      const std::vector<std::uint64_t> read = all_gather_words({problem.empty() ? 0u : 1u, step, content});
+      int differs = 0;  // the first rank that read other contents than rank 0
+      bool failed = false;
+      for (int r = 0; r < world_; ++r) {
+        const auto at = 3 * static_cast<std::size_t>(r);
+        failed = failed || read[at] != 0;
+        if (differs == 0 && (read[at + 1] != read[1] || read[at + 2] != read[2])) differs = r;
+      }
+      if (failed || differs != 0) {
+        const bool saving = replaced_since_read(path, looked, content);
+        if (saving && attempt < detail::checkpoint_load_attempts) continue;
+        if (!problem.empty()) problem += during(saving, attempt);
         all_ranks_succeed(problem);
-        // Each rank read its owned range of the parameters: the rest comes from the ranks that own it, as after an
-        // optimizer step (a gather where the policy keeps the full parameters and shards their update).
-        Ops ops{*this};
-        for (std::size_t b = 0; b < plan_.num_buckets(); ++b) P::after_update(ops, b);
-        join_comm();  // the gathered parameters, for the unpacks below
-      } catch (const std::exception& e) {
-        damaged_ = std::string("load_checkpoint failed while restoring (") + e.what() +
-                   "), so the state is partly overwritten; load a checkpoint that verifies";
-        throw;
+        const std::uint64_t other = read[3 * static_cast<std::size_t>(differs) + 1];
+        detail::fail("tandem: load_checkpoint: ranks 0 and " + std::to_string(differs) +
+                     " read different checkpoints (" +
+                     (other == read[1] ? "both of step " + std::to_string(other)
+                                       : "steps " + std::to_string(read[1]) + " and " + std::to_string(other)) +
+                     "); every rank must load the same one. Nothing was changed" + during(saving, attempt));
       }
-      if (sharded->manifest().parameters_only) {  // parameters only: the optimizer starts afresh
-        init_masters(scope);
-        for (std::size_t k = 0; k < state_.state_count(); ++k)
-          backend_.zero(state_.state(k), state_.held().state * sizeof(float), work_stream());
+      StreamScope scope(*this, Exit::leave);
+      if (single) {
+        // The copies read `single` as late as when they run on the work stream (the stream-faithful backend's rule),
+        // so it must outlive them: the synchronize below.
+        detail::restore_checkpoint<P>(backend_, plan_, layout_, rank_, state_, *single);
+        backend_.synchronize(work_stream());
+      } else {
+        hook(detail::LoadPhase::copying);
+        try {
+          detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::copy);
+        } catch (const std::exception& e) {
+          problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
+        }
+        const auto damage = [&](const std::string& what) {
+          damaged_ = "load_checkpoint failed while restoring (" + what +
+                     "), so the state is partly overwritten; load a checkpoint that verifies";
+        };
+        std::optional<std::string> copy_failed;
+        try {
+          join_comm();
+          copy_failed = detail::first_problem(comm_, backend_, problem);
+          if (!copy_failed) {
+            // Each rank read its owned range of the parameters: the rest comes from the ranks that own it, as after
+            // an optimizer step (a gather where the policy keeps the full parameters and shards their update).
+            Ops ops{*this};
+            for (std::size_t b = 0; b < plan_.num_buckets(); ++b) P::after_update(ops, b);
+            join_comm();  // the gathered parameters, for the unpacks below
+          }
+        } catch (const std::exception& e) {
+          damage(e.what());
+          throw;
+        }
+        if (copy_failed) {  // a whole load of the checkpoint that replaced it overwrites what was restored
+          damage(*copy_failed);
+          const bool saving = replaced_since_read(path, true, content);
+          if (saving && attempt < detail::checkpoint_load_attempts) continue;
+          throw error(*copy_failed + during(saving, attempt));
+        }
+        if (sharded->manifest().parameters_only) {  // parameters only: the optimizer starts afresh
+          init_masters(scope);
+          for (std::size_t k = 0; k < state_.state_count(); ++k)
+            backend_.zero(state_.state(k), state_.held().state * sizeof(float), work_stream());
+        }
       }
+      step_ = step;
+      skipped_ = sharded && !sharded->manifest().parameters_only ? sharded->manifest().skipped_steps : 0;
+      windows_ = step;
+      control_.set_step(backend_, step, skipped_, work_stream());
+      reported_ = reported_together_ = control_.record(backend_, work_stream());  // refusals before the load: dropped
+      reset_window();
+      gathered_.forget();
+      synced_ = true;
+      damaged_.clear();
+      for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
+      scope.leave();
+      return sharded && !sharded->manifest().parameters_only ? sharded->manifest().metadata : CheckpointMetadata{};
     }
-    reported_ = reported_together_ = control_.record(backend_, work_stream());  // refusals before the load: dropped
-    step_ = step;
-    windows_ = step;
-    control_.set_step(backend_, step, work_stream());
-    reset_window();
-    gathered_.forget();
-    synced_ = true;
-    damaged_.clear();
-    for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
-    scope.leave();
-    return sharded && !sharded->manifest().parameters_only ? sharded->manifest().metadata : CheckpointMetadata{};
   }
 
   /// Drops the gradients of the current accumulation window (every micro-step since the last optimizer step, and any
@@ -815,7 +864,9 @@ class DataParallel {
   /// all_ranks_have_batch() or save_checkpoint(), which read the device's count. Replays of a step captured in a CUDA
   /// graph advance the device's count only (docs/cuda.md, "Capturing a step").
   std::uint64_t step_count() const { return step_; }
-  /// Optimizer steps dropped for non-finite gradients (NonFinite::skip_step), as last reported (see step_count()).
+  /// Optimizer steps dropped for non-finite gradients under NonFinite::skip_step, as last reported (see step_count()).
+  /// A load sets it to the checkpoint's count (0 from a checkpoint that records none), from which skip_step counts on;
+  /// under the other NonFinite modes it stays at that.
   std::uint64_t skipped_steps() const { return skipped_; }
 
   /// The latest optimizer step's outcome (updated or skipped, the step count, the norm and the clip coefficient): what
@@ -1506,6 +1557,15 @@ class DataParallel {
   void all_ranks_succeed(const std::string& problem) {
     join_comm();
     detail::all_ranks_succeed(comm_, backend_, problem);
+  }
+
+  /// Whether a save replaced the checkpoint in `path` since a rank read its manifest (`content`, its CRC-32C; 0: none
+  /// was read; `looked`: this rank looked for it): each rank reads the manifest again, after every rank's reads (the
+  /// collective before). Collective.
+  bool replaced_since_read(const std::string& path, bool looked, std::uint64_t content) {
+    const std::vector<std::uint64_t> saw =
+        all_gather_words({looked && detail::manifest_replaced(path, content) ? 1u : 0u});
+    return std::find(saw.begin(), saw.end(), 1u) != saw.end();
   }
 
   // ---- construction -------------------------------------------------------------------------------------

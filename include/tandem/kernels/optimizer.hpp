@@ -259,17 +259,19 @@ struct PrepareStepBody {
   }
 };
 
-/// The step count set to `count` in stream order (construction, a checkpoint's load; one item, lane 0), and the record
-/// made to say that no step was taken since, with the tallies (PrepareStepBody) as they are.
+/// The step count set to `count` and the tally of non-finite steps to `non_finite` in stream order (construction, a
+/// checkpoint's load; one item, lane 0), and the record made to say that no step was taken since, with the tallies
+/// (PrepareStepBody) as they are then.
 struct SetStepBody {
   std::uint64_t* step = nullptr;
-  const std::uint64_t* tallies = nullptr;
+  std::uint64_t* tallies = nullptr;
   StepRecord* record = nullptr;
-  std::uint64_t count = 0;
+  std::uint64_t count = 0, non_finite = 0;
 
   TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
     if (lane != 0) return;
     *step = count;
+    tallies[0] = non_finite;
     StepRecord r;
     r.verdict = StepVerdict::none;
     r.step = count;

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -594,6 +595,31 @@ inline CheckpointManifest read_manifest(const std::string& dir) {
   check_directory_named(dir);
   const std::string path = dir + "/" + manifest_name;
   return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
+}
+
+/// How many times a load reads a checkpoint's directory while saves replace the checkpoint in it (load_checkpoint).
+inline constexpr int checkpoint_load_attempts = 5;
+
+/// The points of a load's attempt at which checkpoint_load_hook() is called: before the rank reads the checkpoint,
+/// after it read it (before the ranks compare what they read), and before it copies the state in.
+enum class LoadPhase : std::uint8_t { reading, read, copying };
+
+/// Test hook: when set, load_checkpoint on this thread calls it with the attempt (from 1) at each LoadPhase, where
+/// tests make saves overtake the load. Never set it in production code.
+inline std::function<void(int, LoadPhase)>& checkpoint_load_hook() {
+  static thread_local std::function<void(int, LoadPhase)> hook;
+  return hook;
+}
+
+/// Whether the manifest in `dir` is now other than the one whose CRC-32C is `content` (0: none was read): a save
+/// committed since it was read. False where there is none now (also where `dir` is not a directory).
+inline bool manifest_replaced(const std::string& dir, std::uint64_t content) {
+  try {
+    const std::string text = read_text_file(dir + "/" + manifest_name, "the checkpoint manifest");
+    return crc32c(text.data(), text.size()) != content;
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 /// Whether `name` is one tandem writes into a checkpoint's directory: a save's file

@@ -58,7 +58,7 @@ class StepControl {
         record_(allocate_named<StepRecord>(backend, 1, "the optimizer step's record")) {
     reserve_groups(backend, groups);
     backend.zero(counts_.data(), 3 * sizeof(std::uint64_t), s);
-    set_step(backend, step, s);
+    set_step(backend, step, 0, s);
   }
 
   /// Room for `groups` optimizer groups (set_optimizer_groups; nothing is allocated where there is room already).
@@ -69,12 +69,16 @@ class StepControl {
     stored_.clear();  // the new buffer holds none: the next step stores them
   }
 
-  /// The step count becomes `step` in stream order (construction, a checkpoint's load), and the record says that no
-  /// step was taken since.
-  void set_step(const Backend& backend, std::uint64_t step, Stream s) {
-    backend.launch(
-        1, SetStepBody{.step = counts_.data(), .tallies = counts_.data() + 1, .record = record_.data(), .count = step},
-        s);
+  /// The step count becomes `step` and the tally of steps skipped for a non-finite norm `non_finite` in stream order
+  /// (construction, a checkpoint's load), and the record says that no step was taken since.
+  void set_step(const Backend& backend, std::uint64_t step, std::uint64_t non_finite, Stream s) {
+    backend.launch(1,
+                   SetStepBody{.step = counts_.data(),
+                               .tallies = counts_.data() + 1,
+                               .record = record_.data(),
+                               .count = step,
+                               .non_finite = non_finite},
+                   s);
   }
 
   /// The groups' options become those the updates read, and `lanes` (their fingerprint's WordAgreement lanes; empty
