@@ -38,20 +38,20 @@
 // (gradients(b)): under GradientSharded it holds one of the K slots from when it is opened until the bucket has been
 // reduce-scattered into grad_shard; the slot is then zeroed and handed to the next bucket.
 //
-// Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream.
-// Every public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream
-// wait for an event recorded on the user's stream, and a call that ends the user's hold on its buffers (construction,
-// step, broadcast_parameters, initialize_parameters, load_checkpoint) leaves by making the user's stream wait for an
-// event recorded on the work stream, also when it throws. The destructor enters and leaves, so that the buffers, freed
-// in order on the work stream, outlive the user's queued work on them, and the user's later work comes after tandem's.
-// A bucket's collective, and the bucket work that follows it, run on the backend's comm stream behind an event on the
-// work stream (after_work), so the work stream packs or updates the next bucket meanwhile; the work stream waits for
-// the comm stream (join_comm) before it reads what the collectives wrote, before a collective of its own, and when a
-// call leaves. tandem's own buffers are used by one of the two in turn, ordered by those events, except the two kinds
-// the user's stream uses too: the gradient slots (ordered by slot_events_) and the gather buffers (pslot_ready_
-// after a gather, pslot_free_ after the user's reads). On HostBackend events are empty
-// and calls are no-ops; StreamHostBackend runs all of it for real on worker threads (backend/host_stream.hpp), which is
-// where the suite tests this protocol.
+// Streams (docs/cuda.md): the user's work is ordered on options.stream, tandem's on the backend's work stream. Every
+// public call that issues work on the user's buffers holds a StreamScope: it enters by making the work stream wait for
+// an event recorded on the user's stream, and a call that ends the user's hold on its buffers (construction, step,
+// broadcast_parameters, initialize_parameters, load_checkpoint, discard_gradients, store_optimizer_options) leaves by
+// making the user's stream wait for an event recorded on the work stream, also when it throws. The destructor enters
+// and leaves, so that the buffers, freed in order on the work stream, outlive the user's queued work on them, and the
+// user's later work comes after tandem's. A bucket's collective, and the bucket work that follows it, run on the
+// backend's comm stream behind an event on the work stream (after_work), so the work stream packs or updates the next
+// bucket meanwhile; the work stream waits for the comm stream (join_comm) before it reads what the collectives wrote,
+// before a collective of its own, and when a call leaves. tandem's own buffers are used by one of the two in turn,
+// ordered by those events, except the two kinds the user's stream uses too: the gradient slots (ordered by
+// slot_events_) and the gather buffers (pslot_ready_ after a gather, pslot_free_ after the user's reads). On
+// HostBackend events are empty and calls are no-ops; StreamHostBackend runs all of it for real on worker threads
+// (backend/host_stream.hpp), which is where the suite tests this protocol.
 #pragma once
 
 #include <algorithm>
