@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <mutex>
 #include <random>
@@ -586,6 +587,46 @@ TEST_CASE("LocalGroup: a rank calling a different count makes every rank throw")
     CHECK(contains(rec.messages[static_cast<std::size_t>(r)],
                    "tandem: collective mismatch: rank 0 called all_reduce(count=10, fp32, sum) but rank 1 called "
                    "all_reduce(count=12, fp32, sum)"));
+  }
+}
+
+TEST_CASE("LocalGroup: a rank calling with a different dtype, op or root makes every rank throw") {
+  struct Case {
+    const char* what;
+    std::function<void(LocalComm&)> call;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"dtype",
+       [](LocalComm& comm) {
+         std::vector<double> mine(10, 1.0);  // room for 10 of either dtype
+         comm.all_reduce(mine.data(), mine.data(), 10, comm.rank() == 2 ? DType::fp64 : DType::fp32, ReduceOp::sum);
+       },
+       "tandem: collective mismatch: rank 0 called all_reduce(count=10, fp32, sum) but rank 2 called "
+       "all_reduce(count=10, fp64, sum)"},
+      {"op",
+       [](LocalComm& comm) {
+         std::vector<float> mine(10, 1.0f);
+         comm.all_reduce(mine.data(), mine.data(), 10, DType::fp32, comm.rank() == 1 ? ReduceOp::avg : ReduceOp::sum);
+       },
+       "tandem: collective mismatch: rank 0 called all_reduce(count=10, fp32, sum) but rank 1 called "
+       "all_reduce(count=10, fp32, avg)"},
+      {"root",
+       [](LocalComm& comm) {
+         std::vector<float> mine(10, 1.0f);
+         comm.broadcast(mine.data(), mine.data(), 10, DType::fp32, comm.rank() == 2 ? 1 : 0);
+       },
+       "tandem: collective mismatch: rank 0 called broadcast(count=10, fp32, root=0) but rank 2 called "
+       "broadcast(count=10, fp32, root=1)"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    const ErrorRecord rec = run_catching(3, c.call);
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r << ": " << rec.messages[static_cast<std::size_t>(r)]);
+      CHECK(rec.types[static_cast<std::size_t>(r)] == "error");
+      CHECK(contains(rec.messages[static_cast<std::size_t>(r)], c.message));
+    }
   }
 }
 

@@ -5,7 +5,7 @@
 #         -DBOUND=<seconds> [-DMARGIN_MS=<ms>] -P run_failure.cmake
 # The last rank fails at step 5 of a 400-step run (MODE kill: SIGKILL; throw: an exception destroys its Mpi; abort:
 # an exception whose text Mpi::abort passes on). Passes when every other rank reports a tandem error that names the
-# failed rank (and, for abort, carries its text) no later than the ranks' MpiOptions::liveness_interval plus MARGIN_MS
+# failed rank (a tandem::peer_error; for abort, carrying its text) no later than the ranks' MpiOptions::liveness_interval plus MARGIN_MS
 # (default 800 ms, for a loaded 2-core machine; the defect this guards against took 1.1 s) after the failure, no rank finishes training, and the job ends within
 # BOUND seconds (the ranks' own timeout is 60 s: the failure must be noticed long before it). The times come from
 # failure.cpp: the failing rank prints when it fails and the interval, every other rank when it caught the error
@@ -52,8 +52,8 @@ endif()
 set(delays "")
 math(EXPR last_survivor "${NP} - 2")
 foreach(rank RANGE 0 ${last_survivor})
-  if(NOT out MATCHES "\\[mpi_failure\\] rank ${rank} caught tandem::[a-z_]+ at ([0-9]+) us: tandem: [^\n]*${expected}")
-    string(APPEND problems "  rank ${rank} did not report a tandem error matching '${expected}'\n")
+  if(NOT out MATCHES "\\[mpi_failure\\] rank ${rank} caught tandem::peer_error at ([0-9]+) us: tandem: [^\n]*${expected}")
+    string(APPEND problems "  rank ${rank} did not report a tandem::peer_error matching '${expected}'\n")
   elseif(NOT failed_at STREQUAL "")
     set(caught_at ${CMAKE_MATCH_1})
     math(EXPR delay_ms "(${caught_at} - ${failed_at}) / 1000")
