@@ -5,8 +5,9 @@
 #         -DWORK_DIR=<scratch dir> -DGENERATOR=<generator> [-DMAKE_PROGRAM=<ninja>] [-DCXX_COMPILER=<c++>]
 #         [-DBUILD_TYPE=<config>] [-DVERSION=<tandem version>] [-DCUDA=ON [-DCUDA_COMPILER=<nvcc>]]
 #         -P run_consumer.cmake
-# package:      configure tandem (tests, examples, benchmarks and CUDA off), install it into WORK_DIR/prefix, then
-#               build the consumer with find_package(tandem VERSION) against that prefix.
+# package:      configure tandem (tests, examples, benchmarks and CUDA off; the tools on without CUDA=ON), install it
+#               into WORK_DIR/prefix, run the installed tools, then build the consumer with find_package(tandem
+#               VERSION) against that prefix.
 # subdirectory: build the consumer with add_subdirectory(SOURCE_DIR); fetchcontent: with FetchContent from SOURCE_DIR.
 #               In both, tandem's tests, examples and benchmarks must default OFF; tandem must not enable CUDA nor
 #               write CUDA settings into the cache (the consumer is C++ only; nvcc may exist); and the consumer must
@@ -57,11 +58,33 @@ set(consumer_build "${WORK_DIR}/consumer-build")
 if(MODE STREQUAL "package")
   set(tandem_build "${WORK_DIR}/tandem-build")
   set(prefix "${WORK_DIR}/prefix")
+  # The tools are built and installed in the package mode without CUDA (one build of them is enough).
+  if(CUDA)
+    set(tools OFF)
+  else()
+    set(tools ON)
+  endif()
   run("configure tandem" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${tandem_build}" ${common_args}
       -DTANDEM_ENABLE_CUDA=OFF -DTANDEM_BUILD_TESTS=OFF -DTANDEM_BUILD_EXAMPLES=OFF -DTANDEM_BUILD_BENCHMARKS=OFF
-      "-DCMAKE_INSTALL_PREFIX=${prefix}")
+      -DTANDEM_BUILD_TOOLS=${tools} "-DCMAKE_INSTALL_PREFIX=${prefix}")
   run("build tandem" "${CMAKE_COMMAND}" --build "${tandem_build}" --config "${BUILD_TYPE}")
   run("install tandem" "${CMAKE_COMMAND}" --install "${tandem_build}" --config "${BUILD_TYPE}")
+  # The installed tools run from the prefix: tandem_checkpoint's usage, and tandem_memory's table for a model size.
+  set(bin "${prefix}/bin")  # (CMAKE_INSTALL_BINDIR's default)
+  if(tools)
+    foreach(check IN ITEMS "tandem_checkpoint;--help;^usage: tandem_checkpoint verify DIR\n"
+                           "tandem_memory;--params;1e6;--world;2;\n[|] ParameterSharded [|] owned [|] bf16 [|]")
+      list(POP_BACK check expected)
+      list(POP_FRONT check tool)
+      run("run the installed ${tool}" "${bin}/${tool}" ${check})
+      if(NOT run_output MATCHES "${expected}")
+        message(FATAL_ERROR "consumer (package): the installed ${tool} printed no match of '${expected}':\n"
+                            "${run_output}")
+      endif()
+    endforeach()
+  elseif(EXISTS "${bin}")
+    message(FATAL_ERROR "consumer (package): TANDEM_BUILD_TOOLS=OFF installed ${bin}")
+  endif()
   run("configure consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${consumer_build}" ${common_args}
       -DTANDEM_CONSUMER_MODE=package "-DTANDEM_EXPECTED_VERSION=${VERSION}" "-DCMAKE_PREFIX_PATH=${prefix}"
       -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF ${cuda_args})
