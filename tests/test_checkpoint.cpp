@@ -565,6 +565,28 @@ TEST_CASE("verify reads every byte; consolidate writes the tensors whole; import
   std::remove(all.c_str());
 }
 
+TEST_CASE("read_checkpoint_manifest reads the manifest alone: what verify returns, without a shard file") {
+  const std::string dir = temp_path("manifest_alone"), empty = temp_path("manifest_none");
+  train<tandem::GradientSharded, tandem::BFloat16>(2, 0, 3, Action::save, dir);
+  const tandem::CheckpointManifest verified = tandem::verify_checkpoint(dir).manifest;
+  const tandem::CheckpointManifest read = tandem::read_checkpoint_manifest(dir);
+  CHECK(read.step == 3);
+  CHECK(read.param_dtype == tandem::DType::bf16);
+  CHECK(read.world_size == 2);
+  CHECK(read.policy == "GradientSharded");
+  CHECK(read.optimizer == "AdamW");
+  CHECK(tandem::detail::manifest_json(read) == tandem::detail::manifest_json(verified));
+  // No shard file is opened: with one removed, verify fails and the manifest still reads.
+  std::filesystem::remove(shard_files(dir).at(1));
+  CHECK(test::message_of([&] { tandem::verify_checkpoint(dir); }).find("cannot open") != std::string::npos);
+  CHECK(tandem::read_checkpoint_manifest(dir).step == 3);
+  // No checkpoint: an error naming the manifest it looked for.
+  std::filesystem::create_directories(empty);
+  const std::string none = test::message_of([&] { tandem::read_checkpoint_manifest(empty); });
+  CHECK_MESSAGE(none.find(empty + "/manifest.json") != std::string::npos, none);
+  CHECK(test::message_of([&] { tandem::read_checkpoint_manifest(empty + "/missing"); }) != "(no error)");
+}
+
 TEST_CASE("a file of the earlier single-file format still loads; a damaged one fails clearly on every rank") {
   const std::string legacy = temp_path("legacy"), bad = temp_path("legacy_bad");
   // A state of this model written in the earlier format: the parameters of rank 0's model, zero optimizer state.

@@ -380,9 +380,11 @@ int main(int argc, char** argv) {
     for (const int world : compare ? std::vector<int>{1, ranks} : std::vector<int>{ranks})
       tiny::validate(cfg, task, world);
     std::string problem;
-    if (process_rank == 0) try {  // rank 0 writes the CSV; for --save, its view stands for the shared storage's
+    // Rank 0 writes the CSV; for --save and --resume, its view stands for the shared storage's.
+    if (process_rank == 0) try {
         if (!csv_path.empty()) check_writable_file("--csv", csv_path);
         if (!cfg.save_dir.empty()) check_save_dir(cfg.save_dir);
+        if (!cfg.resume_dir.empty()) tiny::check_resume_manifest(cfg, task);
       } catch (const std::exception& e) {
         problem = e.what();
       }

@@ -9,7 +9,8 @@
 #   consolidates it, imports the consolidated file as a parameters-only checkpoint, verifies that, and consolidates it
 #   again to the same tensors;
 # - a resume with options that would not continue the saved run (another seed, training set or learning rate: the
-#   checkpoint's metadata records them) is refused before it trains; one from the imported parameters is not;
+#   checkpoint's metadata records them), in another dtype, from no checkpoint, or not past its step, is refused before
+#   it trains; one from the imported parameters is not;
 # - a --save of another model over it is refused before training, and leaves it whole.
 cmake_minimum_required(VERSION 3.25)
 foreach(var IN ITEMS EXE TOOL DIR)
@@ -42,7 +43,7 @@ endfunction()
 
 run(saved --ranks 2 --steps 40 --policy gradient-sharded --save "${DIR}/ckpt")
 # A run that would not continue the saved one (another seed: another order of the batches; another training set) is
-# refused after the load, before it trains, naming what differs.
+# refused before it trains (from the checkpoint's manifest), naming what differs.
 foreach(other IN ITEMS "--seed;2" "--train-examples;40000" "--lr;0.001")
   execute_process(COMMAND "${EXE}" ${common} --ranks 2 --steps 80 ${other} --resume "${DIR}/ckpt"
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
@@ -53,6 +54,20 @@ foreach(other IN ITEMS "--seed;2" "--train-examples;40000" "--lr;0.001")
   if(rc EQUAL 0 OR NOT out MATCHES "is of a run this one would not continue:\n  ${option}: " OR
      out MATCHES ": step [0-9]+/")
     message(FATAL_ERROR "--resume with ${other}: not refused before training (${rc}):\n${out}")
+  endif()
+endforeach()
+# So are a run in the other dtype, naming the flag to change, a directory without a checkpoint, and a run that would
+# not train past the checkpoint's step, each with exit code 2.
+set(ckpt "${DIR}/ckpt")
+foreach(case IN ITEMS "80;${ckpt};--bf16;holds fp32 parameters, and this run trains bf16 ones: resume it without --bf16"
+                      "80;${DIR};--resume: tandem: [^\n]*manifest.json"
+                      "40;${ckpt};is at step 40, which --steps 40 does not go past: nothing to train")
+  list(POP_BACK case expected)
+  list(POP_FRONT case steps from)
+  execute_process(COMMAND "${EXE}" ${common} --ranks 2 --steps ${steps} --resume "${from}" ${case}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 2 OR NOT out MATCHES "${expected}" OR out MATCHES "\ntraining:")
+    message(FATAL_ERROR "--steps ${steps} --resume ${from} ${case}: not refused before training (${rc}):\n${out}")
   endif()
 endforeach()
 run(resumed_1 --ranks 1 --steps 80 --policy replicated --resume "${DIR}/ckpt" --csv "${DIR}/resumed.csv")

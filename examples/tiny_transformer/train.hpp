@@ -131,8 +131,8 @@ inline tandem::CheckpointMetadata run_record(const TrainConfig& cfg, const Task&
 }
 
 /// Throws std::invalid_argument unless this run (`now`, its run_record) continues the run that saved the checkpoint in
-/// `dir` (`saved`, what load_checkpoint returned). A checkpoint that records nothing passes: imported parameters, where
-/// a run starts rather than goes on.
+/// `dir` (`saved`, its metadata). A checkpoint that records nothing passes: imported parameters, where a run starts
+/// rather than goes on.
 inline void check_continues(const tandem::CheckpointMetadata& saved, const tandem::CheckpointMetadata& now,
                             const std::string& dir) {
   if (saved.empty()) return;
@@ -145,6 +145,41 @@ inline void check_continues(const tandem::CheckpointMetadata& saved, const tande
         "--resume: the checkpoint in '" + dir + "' is of a run this one would not continue:" + differs +
         "\ngive that run's options to continue it; to start a new run from its parameters, make them a checkpoint of "
         "their own (tandem_checkpoint consolidate, then import) and resume from that");
+}
+
+/// Throws std::invalid_argument unless this run (`cfg`, `task`) can resume from a checkpoint that recorded `saved` (its
+/// metadata) at step `step`: it continues that checkpoint's run (check_continues) and trains past `step`.
+inline void check_resumable(const tandem::CheckpointMetadata& saved, std::uint64_t step, const TrainConfig& cfg,
+                            const Task& task) {
+  check_continues(saved, run_record(cfg, task), cfg.resume_dir);
+  if (step >= std::uint64_t(cfg.steps))
+    throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
+                                std::to_string(step) + ", which --steps " + std::to_string(cfg.steps) +
+                                " does not go past: nothing to train; raise --steps");
+}
+
+/// Throws std::invalid_argument, naming the options to change, unless this run can resume from the checkpoint in
+/// cfg.resume_dir as its manifest describes it (tandem::read_checkpoint_manifest: read before anything trains): one
+/// there, of parameters in this run's dtype (--bf16), that check_resumable passes. Where a save replaces the checkpoint
+/// after this, train_rank checks again what it loads.
+inline void check_resume_manifest(const TrainConfig& cfg, const Task& task) {
+  tandem::CheckpointManifest m;
+  try {
+    m = tandem::read_checkpoint_manifest(cfg.resume_dir);
+  } catch (const tandem::error& e) {
+    throw std::invalid_argument(std::string("--resume: ") + e.what());
+  }
+  const tandem::DType trains = cfg.precision == Precision::bf16 ? tandem::DType::bf16 : tandem::DType::fp32;
+  if (m.param_dtype != trains) {
+    const std::string holds = tandem::dtype_name(m.param_dtype);
+    throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' holds " + holds +
+                                " parameters, and this run trains " + tandem::dtype_name(trains) + " ones: " +
+                                (m.param_dtype == tandem::DType::bf16 ? std::string("resume it with --bf16")
+                                 : m.param_dtype == tandem::DType::fp32
+                                     ? std::string("resume it without --bf16")
+                                     : "this example trains fp32 or bf16 (--bf16) parameters only"));
+  }
+  check_resumable(m.metadata, m.step, cfg, task);
 }
 
 inline float learning_rate(const TrainConfig& cfg, int step) {
@@ -400,13 +435,11 @@ TrainResult train_rank(Comm& comm, const TrainConfig& cfg, const Task& task, con
   const tandem::CheckpointMetadata record = run_record(cfg, task);
   int first_step = 0;
   if (!cfg.resume_dir.empty()) {  // tandem: the checkpoint's state, at any rank count and under any policy
-    check_continues(dp.load_checkpoint(cfg.resume_dir), record, cfg.resume_dir);
-    const std::uint64_t loaded = dp.step_count();
-    if (loaded >= std::uint64_t(cfg.steps))  // every rank loaded the same step: they all stop here
-      throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
-                                  std::to_string(loaded) + ", which --steps " + std::to_string(cfg.steps) +
-                                  " does not go past: nothing to train; raise --steps");
-    first_step = int(loaded);  // below cfg.steps, an int
+    // Checked before training from its manifest (check_resume_manifest), and again here: a save may have replaced it
+    // since. Every rank loaded the same checkpoint, so they all stop here, or none does.
+    const tandem::CheckpointMetadata saved = dp.load_checkpoint(cfg.resume_dir);
+    check_resumable(saved, dp.step_count(), cfg, task);
+    first_step = int(dp.step_count());  // below cfg.steps, an int
   }
 
   DistributedSampler sampler(task.train.size(), cfg.batch, cfg.seed);

@@ -46,6 +46,16 @@ enum class Arrays {
   all          ///< also the master weights and optimizer state ("master/<name>", "state<k>/<name>")
 };
 
+/// The manifest of the checkpoint in `dir` (its step, the world size, policy and optimizer that saved it, the
+/// parameters' dtype, the tensors, the program's metadata), from manifest.json alone: no shard file is opened (so this
+/// says nothing of them; verify_checkpoint reads them). Reads on this process, with no collective, so that a program
+/// can look at a checkpoint before it constructs the DataParallel that loads it (to train in the dtype it holds, or to
+/// refuse options that would not continue its run). Throws tandem::error where `dir` holds no checkpoint or its
+/// manifest does not read. The manifest is replaced whole by a save (atomically), so it is always one save's.
+TANDEM_COLD inline CheckpointManifest read_checkpoint_manifest(const std::string& dir) {
+  return detail::read_manifest(dir);
+}
+
 /// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size.
 TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
   CheckpointSummary summary{detail::read_manifest(dir), 0};
