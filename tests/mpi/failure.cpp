@@ -3,6 +3,10 @@
 //   kill   the last rank raise(SIGKILL)s itself at step 5 (no word to anyone)
 //   throw  the last rank throws at step 5; its tandem::Mpi is destroyed by the exception
 //   abort  the last rank throws at step 5 and passes the exception's text on with Mpi::abort
+//   kill_saving DIR
+//          every rank saves a checkpoint into DIR after step 4 and again after step 6; in the second save the last
+//          rank dies in the middle of writing its file: the kernel kills it with SIGXFSZ at a file size limit
+//          (RLIMIT_FSIZE) of half its first file, so it leaves a partial temporary file, as a crash does
 // Just before it fails, the last rank prints "[mpi_failure] rank R fails at T us; liveness interval L ms". Every rank
 // that catches an exception prints "[mpi_failure] rank R caught <type> at T us: <what>" and exits with status 3
 // without MPI_Finalize (MPI cannot finalize with a dead peer); a rank that finishes training prints
@@ -10,9 +14,12 @@
 // (CLOCK_MONOTONIC, one clock for every process on a host) in microseconds, so the driver can tell how long after the
 // failure each rank reported it.
 #include <mpi.h>
+#include <sys/resource.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -66,6 +73,39 @@ int train(const std::string& mode, int rank, int size) {
   return 0;
 }
 
+// kill_saving: a plain training loop (train_rank's hook cannot save) that saves after steps 4 and 6.
+int train_saving(const std::string& dir, int rank, int size) {
+  test::TrainSetup setup;
+  setup.steps = 400;
+  const mlp::Dataset data = test::make_dataset(setup);
+  const int victim = size - 1, local = setup.global_batch / size;
+  const tandem::MpiOptions options{.timeout = std::chrono::seconds(60)};
+  tandem::Mpi comm(MPI_COMM_WORLD, options);
+  mlp::Mlp<float> model(setup.dims, setup.seed);
+  tandem::DataParallel<tandem::GradientSharded, tandem::AdamW, tandem::HostBackend, tandem::Mpi> dp(
+      comm, model.tensors(), {.lr = 1e-3f}, {.bucket_cap_bytes = setup.bucket_cap_bytes});
+  dp.broadcast_parameters(0);
+  for (int step = 0; step < setup.steps; ++step) {
+    model.forward_backward(data, step * setup.global_batch + rank * local, local);
+    dp.step();
+    if (step == 3) dp.save_checkpoint(dir);
+    if (step == 5) {
+      if (rank == victim) {
+        const std::uint64_t bytes = tandem::read_checkpoint_manifest(dir).files.at(std::size_t(victim)).bytes;
+        const rlimit no_core{0, 0}, half{rlim_t(bytes / 2), rlim_t(bytes / 2)};
+        if (setrlimit(RLIMIT_CORE, &no_core) != 0 || setrlimit(RLIMIT_FSIZE, &half) != 0)
+          throw std::runtime_error(std::string("setrlimit: ") + std::strerror(errno));
+        std::fprintf(stderr, "[mpi_failure] rank %d fails at %lld us; liveness interval %lld ms\n", rank, now_us(),
+                     static_cast<long long>(options.liveness_interval.count()));
+        std::fflush(stderr);
+      }
+      dp.save_checkpoint(dir);
+    }
+  }
+  std::fprintf(stderr, "[mpi_failure] rank %d finished\n", rank);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -74,12 +114,12 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "kill" && mode != "throw" && mode != "abort") {
-    std::fprintf(stderr, "usage: mpi_failure kill|throw|abort\n");
+  if (mode != "kill" && mode != "throw" && mode != "abort" && !(mode == "kill_saving" && argc > 2)) {
+    std::fprintf(stderr, "usage: mpi_failure kill|throw|abort, or mpi_failure kill_saving DIR\n");
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
   try {
-    const int status = train(mode, rank, size);
+    const int status = mode == "kill_saving" ? train_saving(argv[2], rank, size) : train(mode, rank, size);
     MPI_Finalize();
     return status;
   } catch (const tandem::peer_error& e) {

@@ -2,14 +2,18 @@
 #
 # Runs tests/mpi/failure.cpp under mpiexec and checks how the job fails (ctest mpi_failure_<mode>):
 #   cmake -DMPIEXEC=<mpiexec> -DNUMPROC_FLAG=<-n> -DFLAGS=<flag;...> -DNP=<ranks> -DEXE=<mpi_failure> -DMODE=<mode>
-#         -DBOUND=<seconds> [-DMARGIN_MS=<ms>] -P run_failure.cmake
+#         -DBOUND=<seconds> [-DMARGIN_MS=<ms>] [-DDIR=<scratch directory> -DTOOL=<tandem_checkpoint>]
+#         -P run_failure.cmake
 # The last rank fails at step 5 of a 400-step run (MODE kill: SIGKILL; throw: an exception destroys its Mpi; abort:
-# an exception whose text Mpi::abort passes on). Passes when every other rank reports a tandem error that names the
-# failed rank (a tandem::peer_error; for abort, carrying its text) no later than the ranks' MpiOptions::liveness_interval plus MARGIN_MS
-# (default 800 ms, for a loaded 2-core machine; the defect this guards against took 1.1 s) after the failure, no rank finishes training, and the job ends within
-# BOUND seconds (the ranks' own timeout is 60 s: the failure must be noticed long before it). The times come from
-# failure.cpp: the failing rank prints when it fails and the interval, every other rank when it caught the error
-# (steady_clock, one clock on a host); measured on one host: about 100-110 ms after a SIGKILL, a few ms after a throw.
+# an exception whose text Mpi::abort passes on), or in the middle of writing its file of the second save into DIR
+# (kill_saving: SIGXFSZ). Passes when every other rank reports a tandem error that names the failed rank (a
+# tandem::peer_error; for abort, carrying its text) no later than the ranks' MpiOptions::liveness_interval plus
+# MARGIN_MS (default 800 ms, for a loaded 2-core machine; the defect this guards against took 1.1 s) after the failure,
+# no rank finishes training, and the job ends within BOUND seconds (the ranks' own timeout is 60 s: the failure must be
+# noticed long before it); for kill_saving, also when the checkpoint of the first save verifies (TOOL) and the second
+# left only the dead rank's partial file. The times come from failure.cpp: the failing rank prints when it fails and
+# the interval, every other rank when it caught the error (steady_clock, one clock on a host); measured on one host:
+# about 100-110 ms after a SIGKILL, a few ms after a throw.
 cmake_minimum_required(VERSION 3.25)
 
 include("${CMAKE_CURRENT_LIST_DIR}/../require_defined.cmake")
@@ -19,18 +23,24 @@ if(NOT DEFINED MARGIN_MS)
   set(MARGIN_MS 800)
 endif()
 math(EXPR victim "${NP} - 1")
-if(MODE STREQUAL "kill")
+if(MODE MATCHES "^kill(_saving)?$")
   set(expected "rank ${victim} \\(process [0-9]+ on this host\\) is gone")
 elseif(MODE STREQUAL "throw")
   set(expected "rank ${victim} failed: its tandem::Mpi was destroyed by an exception")
 elseif(MODE STREQUAL "abort")
   set(expected "rank ${victim} failed: injected failure on rank ${victim} at step 5")
 else()
-  message(FATAL_ERROR "run_failure.cmake: MODE must be kill, throw or abort (got '${MODE}')")
+  message(FATAL_ERROR "run_failure.cmake: MODE must be kill, kill_saving, throw or abort (got '${MODE}')")
+endif()
+set(args ${MODE})
+if(MODE STREQUAL "kill_saving")
+  require_defined(run_failure.cmake DIR TOOL)
+  file(REMOVE_RECURSE "${DIR}")
+  list(APPEND args "${DIR}")
 endif()
 
 string(TIMESTAMP start "%s")
-execute_process(COMMAND "${MPIEXEC}" ${NUMPROC_FLAG} ${NP} ${FLAGS} "${EXE}" ${MODE} TIMEOUT ${BOUND}
+execute_process(COMMAND "${MPIEXEC}" ${NUMPROC_FLAG} ${NP} ${FLAGS} "${EXE}" ${args} TIMEOUT ${BOUND}
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE out)
 string(TIMESTAMP end "%s")
 math(EXPR seconds "${end} - ${start}")
@@ -66,6 +76,23 @@ foreach(rank RANGE 0 ${last_survivor})
     endif()
   endif()
 endforeach()
+
+# kill_saving: the checkpoint of the save before stays, whole (tandem_checkpoint verify reads every byte), and of the
+# save the rank died in only its partial temporary file is left (the other ranks removed their files as they failed).
+if(MODE STREQUAL "kill_saving")
+  execute_process(COMMAND "${TOOL}" verify "${DIR}" RESULT_VARIABLE rc OUTPUT_VARIABLE verified ERROR_VARIABLE verified)
+  if(NOT rc EQUAL 0 OR NOT verified MATCHES ": step 4, saved by GradientSharded at ${NP} ranks[^\n]*: verified")
+    string(APPEND problems "  the checkpoint saved before the failure does not verify (${rc}): ${verified}\n")
+  endif()
+  file(GLOB shards RELATIVE "${DIR}" "${DIR}/*.safetensors")
+  file(GLOB partial RELATIVE "${DIR}" "${DIR}/*.safetensors.tmp*")
+  list(LENGTH shards shard_count)
+  list(LENGTH partial partial_count)
+  if(NOT shard_count EQUAL NP OR NOT partial_count EQUAL 1)
+    string(APPEND problems "  ${DIR} holds ${shard_count} shard files (${NP} expected) and ${partial_count} temporary "
+                           "ones (1 expected): ${shards} ${partial}\n")
+  endif()
+endif()
 
 if(problems)
   message(FATAL_ERROR "mpi_failure ${MODE} (${NP} ranks, ${seconds} s, exit ${result}):\n${problems}output:\n${out}")
