@@ -9,9 +9,9 @@
 #               into WORK_DIR/prefix, run the installed tools, then build the consumer with find_package(tandem
 #               VERSION) against that prefix.
 # subdirectory: build the consumer with add_subdirectory(SOURCE_DIR); fetchcontent: with FetchContent from SOURCE_DIR.
-#               In both, tandem's tests, examples and benchmarks must default OFF; tandem must not enable CUDA nor
-#               write CUDA settings into the cache (the consumer is C++ only; nvcc may exist); and the consumer must
-#               see tandem's headers as system headers.
+#               In both, tandem's tests, examples, benchmarks and tools must default OFF; tandem must not enable CUDA
+#               nor write CUDA settings into the cache (the consumer is C++ only; nvcc may exist); and the consumer
+#               must see tandem's headers as system headers.
 # All then run the consumer and check that it prints "tandem VERSION". With CUDA=ON (package mode), the consumer is a
 # CUDA project too and its main.cu, built with tandem::cuda alone, runs as well (it launches nothing without a GPU).
 cmake_minimum_required(VERSION 3.25)
