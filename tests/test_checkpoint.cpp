@@ -580,11 +580,14 @@ TEST_CASE("read_checkpoint_manifest reads the manifest alone: what verify return
   std::filesystem::remove(shard_files(dir).at(1));
   CHECK(test::message_of([&] { tandem::verify_checkpoint(dir); }).find("cannot open") != std::string::npos);
   CHECK(tandem::read_checkpoint_manifest(dir).step == 3);
-  // No checkpoint: an error naming the manifest it looked for.
+  // No checkpoint: an error that says so.
   std::filesystem::create_directories(empty);
-  const std::string none = test::message_of([&] { tandem::read_checkpoint_manifest(empty); });
-  CHECK_MESSAGE(none.find(empty + "/manifest.json") != std::string::npos, none);
+  CHECK(test::message_of([&] { tandem::read_checkpoint_manifest(empty); }) ==
+        "tandem: the checkpoint `" + empty +
+            "` has no manifest.json: it is not a checkpoint, or its first save did not finish");
   CHECK(test::message_of([&] { tandem::read_checkpoint_manifest(empty + "/missing"); }) != "(no error)");
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(empty);
 }
 
 TEST_CASE("a file of the earlier single-file format still loads; a damaged one fails clearly on every rank") {
@@ -1153,6 +1156,96 @@ TEST_CASE("a load that saves overtake: read again by every rank together; after 
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+// Commits the checkpoint in `from` into `dir` as a save does: its files copied in, its manifest renamed over the one in
+// `dir`, then the files that only the replaced manifest named removed.
+void commit_copy(const std::string& from, const std::string& dir) {
+  namespace fs = std::filesystem;
+  const tandem::CheckpointManifest replaced = tandem::read_checkpoint_manifest(dir),
+                                   next = tandem::read_checkpoint_manifest(from);
+  for (const auto& f : next.files)
+    fs::copy_file(from + "/" + f.name, dir + "/" + f.name, fs::copy_options::overwrite_existing);
+  fs::copy_file(from + "/manifest.json", dir + "/manifest.json.test", fs::copy_options::overwrite_existing);
+  fs::rename(dir + "/manifest.json.test", dir + "/manifest.json");
+  for (const auto& f : replaced.files)
+    if (std::ranges::none_of(next.files, [&](const auto& kept) { return kept.name == f.name; }))
+      fs::remove(dir + "/" + f.name);
+}
+
+}  // namespace
+
+TEST_CASE("verify, consolidate and digest that saves overtake read the new checkpoint; after 5 attempts, said") {
+  namespace fs = std::filesystem;
+  using tandem::detail::LoadPhase;
+  const std::string a = temp_path("overtaken_a"), b = temp_path("overtaken_b"), dir = temp_path("overtaken_tools"),
+                    out = temp_path("overtaken_out") + ".safetensors",
+                    want = temp_path("overtaken_want") + ".safetensors";
+  train<tandem::OptimizerSharded>(2, 0, 2, Action::save, a);  // step 2
+  train<tandem::OptimizerSharded>(3, 0, 3, Action::save, b);  // step 3, other files
+  const std::uint32_t digests[2] = {tandem::checkpoint_digest(a), tandem::checkpoint_digest(b)};
+  REQUIRE(digests[0] != digests[1]);
+  auto bytes_of = [](const std::string& path) { return read_file(path); };
+  // Each reader runs on a copy of `a`; after it read the manifest at each of its first `overtakes` attempts, a save
+  // commits b, a, b, ... (removing the files of the one it replaces). Returns the reader's error ("(no error)" where
+  // it returned) and how many times it read the manifest.
+  auto overtaken = [&](int overtakes, auto&& reader) {
+    fs::remove_all(dir);
+    fs::copy(a, dir, fs::copy_options::recursive);
+    int attempts = 0;
+    tandem::detail::checkpoint_load_hook() = [&](int attempt, LoadPhase phase) {
+      CHECK(phase == LoadPhase::read);
+      attempts = attempt;
+      if (attempt <= overtakes) commit_copy(attempt % 2 == 1 ? b : a, dir);
+    };
+    const std::string message = test::message_of(reader);
+    tandem::detail::checkpoint_load_hook() = nullptr;
+    return std::pair{message, attempts};
+  };
+  for (int overtakes = 0; overtakes < tandem::detail::checkpoint_load_attempts; ++overtakes) {
+    CAPTURE(overtakes);
+    const std::uint64_t step = overtakes % 2 == 0 ? 2 : 3;  // the checkpoint committed last
+    const std::string& source = overtakes % 2 == 0 ? a : b;
+    tandem::CheckpointSummary verified;
+    CHECK(overtaken(overtakes, [&] { verified = tandem::verify_checkpoint(dir); }) ==
+          std::pair{std::string("(no error)"), overtakes + 1});
+    CHECK(verified.manifest.step == step);
+    std::uint32_t digest = 0;
+    CHECK(overtaken(overtakes, [&] { digest = tandem::checkpoint_digest(dir); }) ==
+          std::pair{std::string("(no error)"), overtakes + 1});
+    CHECK(digest == digests[step - 2]);
+    CHECK(overtaken(overtakes, [&] { tandem::consolidate_checkpoint(dir, out, tandem::Arrays::all); }) ==
+          std::pair{std::string("(no error)"), overtakes + 1});
+    tandem::consolidate_checkpoint(source, want, tandem::Arrays::all);
+    CHECK(bytes_of(out) == bytes_of(want));
+  }
+  // Overtaken at every attempt: the error says so, and what to do.
+  const int all = tandem::detail::checkpoint_load_attempts;
+  const std::pair<const char*, std::function<void()>> readers[] = {
+      {"verify", [&] { tandem::verify_checkpoint(dir); }},
+      {"digest", [&] { tandem::checkpoint_digest(dir); }},
+      {"consolidate", [&] { tandem::consolidate_checkpoint(dir, out); }}};
+  for (const auto& [verb, reader] : readers) {
+    CAPTURE(verb);
+    const auto [message, attempts] = overtaken(all, reader);
+    CHECK(attempts == all);
+    CHECK_MESSAGE(message.ends_with(tandem::detail::replaced_while_read(dir, all, verb)), message);
+    CHECK(message.find("tandem: cannot open") == 0);
+  }
+  // A file missing with no save meanwhile: one read, the error as it was.
+  fs::remove_all(dir);
+  fs::copy(a, dir, fs::copy_options::recursive);
+  fs::remove(shard_files(dir).at(0));
+  int attempts = 0;
+  tandem::detail::checkpoint_load_hook() = [&](int attempt, LoadPhase) { attempts = attempt; };
+  const std::string message = test::message_of([&] { tandem::verify_checkpoint(dir); });
+  tandem::detail::checkpoint_load_hook() = nullptr;
+  CHECK(attempts == 1);
+  CHECK(message.find("tandem: cannot open") == 0);
+  CHECK(message.find("replaced the checkpoint") == std::string::npos);
+  for (const std::string& path : {a, b, dir, out, want}) fs::remove_all(path);
 }
 
 TEST_CASE("a load that must open again a file a save removed: it reads the new checkpoint whole") {

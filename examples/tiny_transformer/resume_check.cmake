@@ -51,8 +51,8 @@ foreach(other IN ITEMS "--seed;2" "--train-examples;40000" "--lr;0.001")
   if(option STREQUAL "--train-examples")
     set(option "training set")
   endif()
-  if(rc EQUAL 0 OR NOT out MATCHES "is of a run this one would not continue:\n  ${option}: " OR
-     out MATCHES ": step [0-9]+/")
+  if(NOT rc EQUAL 2 OR NOT out MATCHES "is of a run this one would not continue:\n  ${option}: " OR
+     out MATCHES "\ntraining:")
     message(FATAL_ERROR "--resume with ${other}: not refused before training (${rc}):\n${out}")
   endif()
 endforeach()
@@ -60,7 +60,7 @@ endforeach()
 # not train past the checkpoint's step, each with exit code 2.
 set(ckpt "${DIR}/ckpt")
 foreach(case IN ITEMS "80;${ckpt};--bf16;holds fp32 parameters, and this run trains bf16 ones: resume it without --bf16"
-                      "80;${DIR};--resume: tandem: [^\n]*manifest.json"
+                      "80;${DIR};--resume: tandem: the checkpoint `[^`]*` has no manifest.json: it is not a checkpoint"
                       "40;${ckpt};is at step 40, which --steps 40 does not go past: nothing to train")
   list(POP_BACK case expected)
   list(POP_FRONT case steps from)

@@ -179,7 +179,9 @@ inline void check_resume_manifest(const TrainConfig& cfg, const Task& task) {
                                      ? std::string("resume it without --bf16")
                                      : "this example trains fp32 or bf16 (--bf16) parameters only"));
   }
-  check_resumable(m.metadata, m.step, cfg, task);
+  // (as load_checkpoint takes them: a parameters-only checkpoint, imported, records no run and starts at step 0)
+  check_resumable(m.parameters_only ? tandem::CheckpointMetadata{} : m.metadata, m.parameters_only ? 0 : m.step, cfg,
+                  task);
 }
 
 inline float learning_rate(const TrainConfig& cfg, int step) {

@@ -14,6 +14,7 @@
 // (CLOCK_MONOTONIC, one clock for every process on a host) in microseconds, so the driver can tell how long after the
 // failure each rank reported it.
 #include <mpi.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 
 #include <cerrno>
@@ -91,13 +92,17 @@ int train_saving(const std::string& dir, int rank, int size) {
     if (step == 3) dp.save_checkpoint(dir);
     if (step == 5) {
       if (rank == victim) {
-        const std::uint64_t bytes = tandem::read_checkpoint_manifest(dir).files.at(std::size_t(victim)).bytes;
-        const rlimit no_core{0, 0}, half{rlim_t(bytes / 2), rlim_t(bytes / 2)};
-        if (setrlimit(RLIMIT_CORE, &no_core) != 0 || setrlimit(RLIMIT_FSIZE, &half) != 0)
-          throw std::runtime_error(std::string("setrlimit: ") + std::strerror(errno));
+        // (printed first: with the limit set, a write to stderr redirected to a file could be the one that kills)
         std::fprintf(stderr, "[mpi_failure] rank %d fails at %lld us; liveness interval %lld ms\n", rank, now_us(),
                      static_cast<long long>(options.liveness_interval.count()));
         std::fflush(stderr);
+        // SIGXFSZ kills (where the launcher left it ignored, the write would fail instead), and no core dump, nor a
+        // core handler the kernel pipes it to, holds up the death the other ranks must notice.
+        const std::uint64_t bytes = tandem::read_checkpoint_manifest(dir).files.at(std::size_t(victim)).bytes;
+        const rlimit half{rlim_t(bytes / 2), rlim_t(bytes / 2)};
+        if (std::signal(SIGXFSZ, SIG_DFL) == SIG_ERR || prctl(PR_SET_DUMPABLE, 0) != 0 ||
+            setrlimit(RLIMIT_FSIZE, &half) != 0)
+          throw std::runtime_error(std::string("setting up the kill: ") + std::strerror(errno));
       }
       dp.save_checkpoint(dir);
     }

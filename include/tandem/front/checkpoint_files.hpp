@@ -56,36 +56,39 @@ TANDEM_COLD inline CheckpointManifest read_checkpoint_manifest(const std::string
   return detail::read_manifest(dir);
 }
 
-/// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size.
+/// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size. Where a
+/// save replaces the checkpoint meanwhile, it checks the new one (detail::read_while_saves_replace).
 TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
-  CheckpointSummary summary{detail::read_manifest(dir), 0};
-  const CheckpointManifest& m = summary.manifest;
-  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
-  for (const CheckpointManifest::File& f : m.files) {
-    const SafetensorsFile file(dir + "/" + f.name);
-    if (file.size() != f.bytes)
-      file.corrupt("it is " + std::to_string(file.size()) + " bytes long; the manifest says " +
-                   std::to_string(f.bytes));
-    if (file.header_crc() != f.header_crc) file.corrupt("its header's checksum does not match the manifest's");
-    for (const SafetensorsFile::Tensor& t : file.tensors()) {  // the header's checksums cover the data
-      std::uint32_t recorded = 0, crc = 0;
-      if (!file.recorded_crc(t.name, recorded)) file.corrupt(detail::naming("it records no checksum for ", t.name, ""));
-      for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
-        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
-        file.read(at, chunk.data(), n);
-        crc = detail::crc32c(chunk.data(), n, crc);
+  return detail::read_while_saves_replace(dir, "verify", [&](const CheckpointManifest& m) {
+    CheckpointSummary summary{m, 0};
+    std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+    for (const CheckpointManifest::File& f : m.files) {
+      const SafetensorsFile file(dir + "/" + f.name);
+      if (file.size() != f.bytes)
+        file.corrupt("it is " + std::to_string(file.size()) + " bytes long; the manifest says " +
+                     std::to_string(f.bytes));
+      if (file.header_crc() != f.header_crc) file.corrupt("its header's checksum does not match the manifest's");
+      for (const SafetensorsFile::Tensor& t : file.tensors()) {  // the header's checksums cover the data
+        std::uint32_t recorded = 0, crc = 0;
+        if (!file.recorded_crc(t.name, recorded))
+          file.corrupt(detail::naming("it records no checksum for ", t.name, ""));
+        for (std::uint64_t at = t.begin; at < t.end; at += chunk.size()) {
+          const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), t.end - at));
+          file.read(at, chunk.data(), n);
+          crc = detail::crc32c(chunk.data(), n, crc);
+        }
+        if (crc != recorded) file.corrupt(detail::naming("the checksum of ", t.name, " does not match its data"));
       }
-      if (crc != recorded) file.corrupt(detail::naming("the checksum of ", t.name, " does not match its data"));
+      summary.bytes += f.bytes;
     }
-    summary.bytes += f.bytes;
-  }
-  // Every slice of every array of every tensor is where the saving plan put it.
-  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
-  const HostBackend host;
-  for (const detail::CheckpointArray& a : detail::arrays_of(m))
-    for (std::size_t i = 0; i < m.tensors.size(); ++i)
-      ckpt.read(host, a, i, m.tensors[i], 0, m.tensors[i].numel, nullptr, chunk);
-  return summary;
+    // Every slice of every array of every tensor is where the saving plan put it.
+    detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+    const HostBackend host;
+    for (const detail::CheckpointArray& a : detail::arrays_of(m))
+      for (std::size_t i = 0; i < m.tensors.size(); ++i)
+        ckpt.read(host, a, i, m.tensors[i], 0, m.tensors[i].numel, nullptr, chunk);
+    return summary;
+  });
 }
 
 /// Throws tandem::error where `dir` holds what save_checkpoint of the tensors `tensors` (a DataParallel's
@@ -99,17 +102,19 @@ TANDEM_COLD inline void check_save_target(const std::string& dir, const std::vec
 /// The CRC-32C of every array of every tensor of the checkpoint in `dir`, whole, in layout order: the bytes
 /// consolidate_checkpoint(dir, out, Arrays::all) writes as its data: bitwise-equal states (the same parameters, master
 /// weights and optimizer state) give equal digests, whatever world size, policy and files saved them, and states that
-/// differ give different ones but for a chance of 2^-32 (a CRC-32C; the names and the step are not in it).
+/// differ give different ones but for a chance of 2^-32 (a CRC-32C; the names and the step are not in it). Where a
+/// save replaces the checkpoint meanwhile, it is the new one's (detail::read_while_saves_replace).
 TANDEM_COLD inline std::uint32_t checkpoint_digest(const std::string& dir) {
-  const CheckpointManifest m = detail::read_manifest(dir);
-  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
-  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
-  std::uint32_t crc = 0;
-  for (const detail::CheckpointArray& a : detail::arrays_of(m))
-    for (std::size_t i = 0; i < m.tensors.size(); ++i)
-      ckpt.stream(a, i, m.tensors[i], chunk,
-                  [&](const unsigned char* p, std::size_t n) { crc = detail::crc32c(p, n, crc); });
-  return crc;
+  return detail::read_while_saves_replace(dir, "digest", [&](const CheckpointManifest& m) {
+    detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+    std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+    std::uint32_t crc = 0;
+    for (const detail::CheckpointArray& a : detail::arrays_of(m))
+      for (std::size_t i = 0; i < m.tensors.size(); ++i)
+        ckpt.stream(a, i, m.tensors[i], chunk,
+                    [&](const unsigned char* p, std::size_t n) { crc = detail::crc32c(p, n, crc); });
+    return crc;
+  });
 }
 
 namespace detail {
@@ -161,25 +166,28 @@ TANDEM_COLD inline void check_not_all_arrays(const SafetensorsFile& file, const 
 /// Writes the checkpoint in `dir` to the safetensors file `out` (atomically), every tensor whole and 1-D, each array
 /// checked against its checksums as it is read; the file's metadata records the step, the policy, the optimizer and
 /// the program's metadata ("metadata/<key>"). Returns the number of bytes written. `out` may not lie inside `dir`.
+/// Where a save replaces the checkpoint meanwhile, it writes the new one (detail::read_while_saves_replace).
 TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, const std::string& out,
                                                         Arrays which = Arrays::parameters) {
   detail::check_outside(dir, out, "consolidate_checkpoint");
-  const CheckpointManifest m = detail::read_manifest(dir);
-  std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
-  if (which == Arrays::parameters) arrays.resize(1);
-  std::vector<std::pair<std::string, std::string>> metadata = {{"format", "pt"},
-                                                               {detail::safetensors_step_key, std::to_string(m.step)},
-                                                               {"tandem_policy", m.policy},
-                                                               {"tandem_optimizer", m.optimizer}};
-  for (const auto& [key, value] : m.metadata)
-    metadata.emplace_back(std::string(detail::shard_metadata_prefix) + key, value);
-  SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays), std::move(metadata), "the consolidated file");
-  detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
-  std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
-  for (const detail::CheckpointArray& a : arrays)
-    for (std::size_t i = 0; i < m.tensors.size(); ++i)
-      ckpt.stream(a, i, m.tensors[i], chunk, [&](const unsigned char* p, std::size_t n) { writer.data(p, n); });
-  return writer.commit().bytes;
+  return detail::read_while_saves_replace(dir, "consolidate", [&](const CheckpointManifest& m) {
+    std::vector<detail::CheckpointArray> arrays = detail::arrays_of(m);
+    if (which == Arrays::parameters) arrays.resize(1);
+    std::vector<std::pair<std::string, std::string>> metadata = {{"format", "pt"},
+                                                                 {detail::safetensors_step_key, std::to_string(m.step)},
+                                                                 {"tandem_policy", m.policy},
+                                                                 {"tandem_optimizer", m.optimizer}};
+    for (const auto& [key, value] : m.metadata)
+      metadata.emplace_back(std::string(detail::shard_metadata_prefix) + key, value);
+    SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays), std::move(metadata),
+                             "the consolidated file");
+    detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
+    std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
+    for (const detail::CheckpointArray& a : arrays)
+      for (std::size_t i = 0; i < m.tensors.size(); ++i)
+        ckpt.stream(a, i, m.tensors[i], chunk, [&](const unsigned char* p, std::size_t n) { writer.data(p, n); });
+    return writer.commit().bytes;
+  });
 }
 
 /// What import_parameters does where `dir` already holds a checkpoint with optimizer state (a training run's).

@@ -530,9 +530,7 @@ class DataParallel {
     // files of the checkpoint it replaces: a rank then cannot open one, or open again one it closed (and on NFS, reads
     // of one that another node removed fail), or the ranks read two manifests. They then read it again, together.
     const auto during = [&](bool saving, int attempt) {
-      return saving ? " (saves into `" + path + "` replaced the checkpoint while it was read, " +
-                          std::to_string(attempt) + " times in a row: load it when they pause)"
-                    : std::string();
+      return saving ? detail::replaced_while_read(path, attempt, "load") : std::string();
     };
     for (int attempt = 1;; ++attempt) {
       const auto hook = [&](detail::LoadPhase phase) {
@@ -549,10 +547,7 @@ class DataParallel {
         looked = true;
         hook(detail::LoadPhase::reading);
         if (std::filesystem::is_directory(path)) {
-          const std::string manifest = path + "/" + detail::manifest_name;
-          if (!std::filesystem::exists(manifest))
-            detail::fail("tandem: the checkpoint `" + path + "` has no " + detail::manifest_name +
-                         ": it is not a checkpoint, or its first save did not finish");
+          const std::string manifest = detail::manifest_path(path);
           const std::string text = detail::read_text_file(manifest, "the checkpoint manifest");
           content = detail::crc32c(text.data(), text.size());
           CheckpointManifest m = detail::parse_manifest(text, manifest);

@@ -590,10 +590,21 @@ inline std::string read_text_file(const std::string& path, const std::string& wh
   return text;
 }
 
+/// The path of the manifest of the checkpoint in directory `dir`. Throws tandem::error where `dir` is an empty path,
+/// or a directory without a manifest (what a path that is no directory lacks, the manifest's read says).
+inline std::string manifest_path(const std::string& dir) {
+  check_directory_named(dir);
+  std::string path = dir + "/" + manifest_name;
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir, ec) && !std::filesystem::exists(path, ec) && !ec)
+    fail("tandem: the checkpoint `" + dir + "` has no " + manifest_name +
+         ": it is not a checkpoint, or its first save did not finish");
+  return path;
+}
+
 /// The manifest of the checkpoint in `dir`; throws tandem::error where there is none or it does not read.
 inline CheckpointManifest read_manifest(const std::string& dir) {
-  check_directory_named(dir);
-  const std::string path = dir + "/" + manifest_name;
+  const std::string path = manifest_path(dir);
   return parse_manifest(read_text_file(path, "the checkpoint manifest"), path);
 }
 
@@ -604,8 +615,9 @@ inline constexpr int checkpoint_load_attempts = 5;
 /// after it read it (before the ranks compare what they read), and before it copies the state in.
 enum class LoadPhase : std::uint8_t { reading, read, copying };
 
-/// Test hook: when set, load_checkpoint on this thread calls it with the attempt (from 1) at each LoadPhase, where
-/// tests make saves overtake the load. Never set it in production code.
+/// Test hook: when set, load_checkpoint on this thread calls it with the attempt (from 1) at each LoadPhase, and
+/// read_while_saves_replace at LoadPhase::read, where tests make saves overtake the read. Never set it in production
+/// code.
 inline std::function<void(int, LoadPhase)>& checkpoint_load_hook() {
   static thread_local std::function<void(int, LoadPhase)> hook;
   return hook;
@@ -619,6 +631,35 @@ inline bool manifest_replaced(const std::string& dir, std::uint64_t content) {
     return crc32c(text.data(), text.size()) != content;
   } catch (const std::exception&) {
     return false;
+  }
+}
+
+/// What the error of a read of the checkpoint in `dir` adds where saves replaced the checkpoint while it was read,
+/// `attempts` times in a row: `verb` (what the reader does) it when they pause.
+inline std::string replaced_while_read(const std::string& dir, int attempts, const char* verb) {
+  return " (saves into `" + dir + "` replaced the checkpoint while it was read, " + std::to_string(attempts) +
+         " times in a row: " + verb + " it when they pause)";
+}
+
+/// Returns `read(manifest)` of the checkpoint in `dir`, on this process alone. Where `read` throws tandem::error and a
+/// save committed since the manifest was read (it removes the files only the replaced checkpoint named), reads the
+/// checkpoint again, up to checkpoint_load_attempts times, the last time with replaced_while_read(dir, ..., verb) in
+/// its error. So verify_checkpoint, consolidate_checkpoint and checkpoint_digest read a directory that a training job
+/// saves into, as load_checkpoint does, taking no lock: what they return is one save's checkpoint, whole.
+template <class Read>
+TANDEM_COLD auto read_while_saves_replace(const std::string& dir, const char* verb, Read&& read) {
+  const std::string path = manifest_path(dir);
+  for (int attempt = 1;; ++attempt) {
+    const std::string text = read_text_file(path, "the checkpoint manifest");
+    const std::uint64_t content = crc32c(text.data(), text.size());
+    const CheckpointManifest manifest = parse_manifest(text, path);
+    if (const auto& hook = checkpoint_load_hook()) hook(attempt, LoadPhase::read);
+    try {
+      return read(manifest);
+    } catch (const error& e) {
+      if (!manifest_replaced(dir, content)) throw;
+      if (attempt == checkpoint_load_attempts) throw error(e.what() + replaced_while_read(dir, attempt, verb));
+    }
   }
 }
 
