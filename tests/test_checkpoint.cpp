@@ -1200,9 +1200,10 @@ TEST_CASE("verify, consolidate and digest that saves overtake read the new check
       attempts = attempt;
       if (attempt <= overtakes) commit_copy(attempt % 2 == 1 ? b : a, dir);
     };
-    const std::string message = test::message_of(reader);
-    tandem::detail::checkpoint_load_hook() = nullptr;
-    return std::pair{message, attempts};
+    struct Unhook {
+      ~Unhook() { tandem::detail::checkpoint_load_hook() = nullptr; }
+    } unhook;
+    return std::pair{test::message_of(reader), attempts};
   };
   for (int overtakes = 0; overtakes < tandem::detail::checkpoint_load_attempts; ++overtakes) {
     CAPTURE(overtakes);
@@ -1227,6 +1228,7 @@ TEST_CASE("verify, consolidate and digest that saves overtake read the new check
       {"verify", [&] { tandem::verify_checkpoint(dir); }},
       {"digest", [&] { tandem::checkpoint_digest(dir); }},
       {"consolidate", [&] { tandem::consolidate_checkpoint(dir, out); }}};
+  const std::vector<char> consolidated = bytes_of(out);
   for (const auto& [verb, reader] : readers) {
     CAPTURE(verb);
     const auto [message, attempts] = overtaken(all, reader);
@@ -1234,6 +1236,13 @@ TEST_CASE("verify, consolidate and digest that saves overtake read the new check
     CHECK_MESSAGE(message.ends_with(tandem::detail::replaced_while_read(dir, all, verb)), message);
     CHECK(message.find("tandem: cannot open") == 0);
   }
+  CHECK(bytes_of(out) == consolidated);  // the failed consolidations left the file there as it was, and nothing beside
+  CHECK(temporaries_beside(out).empty());
+  // A failure to write the consolidated file is not the checkpoint's: not read again, though a save overtook it.
+  const auto [unwritable, tries] = overtaken(1, [&] { tandem::consolidate_checkpoint(dir, dir + "_none/x"); });
+  CHECK(tries == 1);
+  CHECK_MESSAGE(unwritable.find("_none/x") != std::string::npos, unwritable);
+  CHECK(unwritable.find("replaced the checkpoint") == std::string::npos);
   // A file missing with no save meanwhile: one read, the error as it was.
   fs::remove_all(dir);
   fs::copy(a, dir, fs::copy_options::recursive);

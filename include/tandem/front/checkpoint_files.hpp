@@ -179,14 +179,25 @@ TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, 
                                                                  {"tandem_optimizer", m.optimizer}};
     for (const auto& [key, value] : m.metadata)
       metadata.emplace_back(std::string(detail::shard_metadata_prefix) + key, value);
-    SafetensorsWriter writer(out, detail::whole_entries(m.tensors, arrays), std::move(metadata),
-                             "the consolidated file");
+    // The output's failures are not the checkpoint's: a save meanwhile is no reason to write it again.
+    const auto output = [](auto&& f) -> decltype(auto) {
+      try {
+        return f();
+      } catch (const error& e) {
+        throw detail::OutputFailure{e};
+      }
+    };
+    SafetensorsWriter writer = output([&] {
+      return SafetensorsWriter(out, detail::whole_entries(m.tensors, arrays), std::move(metadata),
+                               "the consolidated file");
+    });
     detail::ShardedCheckpoint ckpt(dir, m, Layout(m.tensors));
     std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
     for (const detail::CheckpointArray& a : arrays)
       for (std::size_t i = 0; i < m.tensors.size(); ++i)
-        ckpt.stream(a, i, m.tensors[i], chunk, [&](const unsigned char* p, std::size_t n) { writer.data(p, n); });
-    return writer.commit().bytes;
+        ckpt.stream(a, i, m.tensors[i], chunk,
+                    [&](const unsigned char* p, std::size_t n) { output([&] { writer.data(p, n); }); });
+    return output([&] { return writer.commit().bytes; });
   });
 }
 

@@ -641,11 +641,18 @@ inline std::string replaced_while_read(const std::string& dir, int attempts, con
          " times in a row: " + verb + " it when they pause)";
 }
 
+/// A failure of a reader of a checkpoint that is not the checkpoint's (writing its own output: no room, no folder):
+/// read_while_saves_replace throws it on as tandem::error, and reads nothing again for it.
+struct OutputFailure {
+  error failure;
+};
+
 /// Returns `read(manifest)` of the checkpoint in `dir`, on this process alone. Where `read` throws tandem::error and a
 /// save committed since the manifest was read (it removes the files only the replaced checkpoint named), reads the
 /// checkpoint again, up to checkpoint_load_attempts times, the last time with replaced_while_read(dir, ..., verb) in
-/// its error. So verify_checkpoint, consolidate_checkpoint and checkpoint_digest read a directory that a training job
-/// saves into, as load_checkpoint does, taking no lock: what they return is one save's checkpoint, whole.
+/// its error (an OutputFailure is thrown on at once). So verify_checkpoint, consolidate_checkpoint and
+/// checkpoint_digest read a directory that a training job saves into, as load_checkpoint does, taking no lock: what
+/// they return is one save's checkpoint, whole.
 template <class Read>
 TANDEM_COLD auto read_while_saves_replace(const std::string& dir, const char* verb, Read&& read) {
   const std::string path = manifest_path(dir);
@@ -656,6 +663,8 @@ TANDEM_COLD auto read_while_saves_replace(const std::string& dir, const char* ve
     if (const auto& hook = checkpoint_load_hook()) hook(attempt, LoadPhase::read);
     try {
       return read(manifest);
+    } catch (const OutputFailure& output) {
+      throw output.failure;
     } catch (const error& e) {
       if (!manifest_replaced(dir, content)) throw;
       if (attempt == checkpoint_load_attempts) throw error(e.what() + replaced_while_read(dir, attempt, verb));
