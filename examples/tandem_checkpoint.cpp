@@ -3,7 +3,8 @@
 // the command line of front/checkpoint_files.hpp.
 //
 //   tandem_checkpoint verify DIR                    read every byte of every file and check it against its checksum;
-//                                                   print the program's metadata (save_checkpoint's), a key a line
+//                                                   print the optimizer options a load restores, a group a line, and
+//                                                   the program's metadata (save_checkpoint's), a key a line
 //   tandem_checkpoint consolidate DIR OUT [--all]   the parameters as whole tensors in one safetensors file (--all:
 //                                                   with the master weights and optimizer state), for inference or
 //                                                   PyTorch
@@ -15,6 +16,7 @@
 // (A path may not start with '-': `./-x` names such a file.)
 //
 // Exit codes: 0 done, 1 the checkpoint or a file is at fault (the message says which and why), 2 bad arguments.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -43,6 +45,17 @@ int main(int argc, char** argv) {
                   m.world_size, m.tensors.size(), tandem::dtype_name(m.param_dtype),
                   m.parameters_only ? " (parameters only)" : "", m.files.size(),
                   static_cast<unsigned long long>(s.bytes));
+      for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {  // the options a load restores
+        std::string line =
+            m.optimizer_groups.size() == 1
+                ? "  " + m.optimizer + " options:"
+                : "  " + m.optimizer + " group " + std::to_string(g) + " (" +
+                      std::to_string(std::count(m.optimizer_group_of.begin(), m.optimizer_group_of.end(), g)) +
+                      " tensors):";
+        for (const auto& [name, value] : m.optimizer_groups[g])
+          line += " " + name + " " + tandem::detail::json::number(value);
+        std::printf("%s\n", line.c_str());
+      }
       for (const auto& [key, value] : m.metadata)  // the program's records, as JSON strings (any text prints)
         std::printf("  metadata %s: %s\n", tandem::detail::json::quote(key).c_str(),
                     tandem::detail::json::quote(value).c_str());

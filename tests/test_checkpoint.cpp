@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -101,6 +102,13 @@ Params train(int world, int first, int last, Action action, const std::string& p
   return out;
 }
 
+// AdamW, its options without names (not OptionsNamed).
+struct Unnamed : tandem::AdamW {
+  template <class O, class F>
+  static void visit_options(O&, F&&) = delete;
+};
+static_assert(tandem::Optimizer<Unnamed> && !tandem::OptionsNamed<Unnamed>);
+
 // The temporary files writers of `path` leave beside it (`path`.tmp.*).
 std::vector<std::string> temporaries_beside(const std::string& path) {
   const std::filesystem::path p(path);
@@ -171,6 +179,164 @@ TEST_CASE_TEMPLATE("resuming from a checkpoint is bit-identical to an uninterrup
   const Params bf16 = train<P, tandem::BFloat16>(2, 0, 12, Action::none, path);
   train<P, tandem::BFloat16>(2, 0, 6, Action::save, path);
   CHECK(train<P, tandem::BFloat16>(2, 6, 12, Action::load, path) == bf16);
+  std::filesystem::remove_all(path);
+}
+
+TEST_CASE("a load restores the optimizer options and groups of the save; an edited manifest's are refused") {
+  const std::string path = temp_path("options");
+  const tandem::AdamWOptions base{.lr = 3e-3f, .weight_decay = 0.05f};
+  const tandem::AdamWOptions biases{.lr = 1e-3f, .weight_decay = 0.0f};
+  using DP = test::DataParallel<tandem::GradientSharded, tandem::AdamW>;
+  const auto bias_groups = [](const DP& dp) {
+    std::vector<std::size_t> group(dp.layout().size(), 0);
+    for (std::size_t i = 0; i < group.size(); ++i) group[i] = dp.layout()[i].name.ends_with(".bias") ? 1 : 0;
+    return group;
+  };
+  // Steps [first, last) at 2 ranks. A run from the start sets two groups (the biases' with another lr and no decay)
+  // and group 0's lr to 2e-3 before step 3; a run from the checkpoint sets neither (its lr is 1 before the load),
+  // so it trains as the first only where the load restores them. Returns rank 0's parameters.
+  const auto run = [&](int first, int last, bool load, bool save) {
+    Params out;
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 5 + static_cast<std::uint64_t>(comm.rank()));
+      DP dp(comm, model.tensors(), base, {.bucket_cap_bytes = 2048, .first_bucket_cap_bytes = 1024});
+      dp.broadcast_parameters();
+      if (load) {
+        dp.optimizer_options().lr = 1.0f;
+        dp.load_checkpoint(path);
+        REQUIRE(dp.optimizer_group_count() == 2);
+        CHECK(dp.optimizer_options(0).lr == 2e-3f);
+        CHECK(dp.optimizer_options(0).weight_decay == base.weight_decay);
+        CHECK(std::memcmp(&dp.optimizer_options(1), &biases, sizeof biases) == 0);
+        const std::vector<std::size_t> group = bias_groups(dp);
+        for (std::size_t i = 0; i < group.size(); ++i) CHECK(dp.optimizer_group(i) == group[i]);
+      } else {
+        dp.set_optimizer_groups({base, biases}, bias_groups(dp));
+      }
+      const int local = global_batch / 2;
+      for (int step = first; step < last; ++step) {
+        if (!load && step == 3) dp.optimizer_options().lr = 2e-3f;
+        model.forward_backward(dataset(), step * global_batch + comm.rank() * local, local);
+        dp.step();
+      }
+      if (save) dp.save_checkpoint(path);
+      if (comm.rank() == 0) out = as_float(model.params());
+    });
+    return out;
+  };
+  const Params uninterrupted = run(0, 8, false, false);
+  run(0, 5, false, true);
+  CHECK(run(5, 8, true, false) == uninterrupted);
+  const std::string manifest_file = path + "/manifest.json";
+  std::string manifest;
+  {
+    const std::vector<char> bytes = read_file(manifest_file);
+    manifest.assign(bytes.begin(), bytes.end());
+  }
+  CHECK(manifest.find("\"optimizer_groups\": [{\"lr\": 0.002, \"beta1\": 0.9, \"beta2\": 0.999, \"eps\": 1e-08, "
+                      "\"weight_decay\": 0.05}, {\"lr\": 0.001, \"beta1\": 0.9, \"beta2\": 0.999, \"eps\": 1e-08, "
+                      "\"weight_decay\": 0}]") != std::string::npos);
+  // Loads the checkpoint with its manifest edited (`from` replaced by `to`) at 2 ranks, whose lr is 1 before; returns
+  // each rank's error ("" where it loaded) and checks that a failed load changed nothing, and what a load of a
+  // manifest without options keeps.
+  const auto load_edited = [&](const std::string& from, const std::string& to) {
+    std::string edited = manifest;
+    REQUIRE(edited.find(from) != std::string::npos);
+    edited.replace(edited.find(from), from.size(), to);
+    write_file(manifest_file, std::vector<char>(edited.begin(), edited.end()));
+    std::vector<std::string> messages(2);
+    tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+      mlp::Mlp<float> model(dims, 1);
+      DP dp(comm, model.tensors(), base);
+      dp.optimizer_options().lr = 1.0f;
+      try {
+        dp.load_checkpoint(path);
+      } catch (const tandem::error& e) {
+        messages[static_cast<std::size_t>(comm.rank())] = e.what();
+        CHECK(dp.step_count() == 0);
+      }
+      CHECK(dp.optimizer_group_count() == 1);  // a failed load, or one of a checkpoint without options: the program's
+      CHECK(dp.optimizer_options().lr == 1.0f);
+      CHECK(dp.optimizer_group(0) == 0);
+    });
+    write_file(manifest_file, std::vector<char>(manifest.begin(), manifest.end()));
+    return messages;
+  };
+  struct Refusal {
+    std::string from, to, why;
+  };
+  const Refusal refused[] = {
+      {"\"lr\": 0.002", "\"lr\": 0.0025", "holds optimizer options that do not give its optimizer_fingerprint"},
+      {"\"eps\": 1e-08, \"weight_decay\": 0.05", "\"weight_decay\": 0.05",
+       "optimizer group 0, lacks the AdamW option `eps`"},
+      {"\"weight_decay\": 0}", "\"weight_decay\": 0, \"nesterov\": 1}",
+       "optimizer group 1, holds an option `nesterov`, which AdamW does not have"},
+      {"\"weight_decay\": 0}", "\"weight_decay\": -1}",
+       "optimizer group 1, holds invalid options: AdamWOptions::weight_decay is -1"},
+  };
+  for (const Refusal& r : refused) {
+    CAPTURE(r.why);
+    for (const std::string& message : load_edited(r.from, r.to)) CHECK(message.find(r.why) != std::string::npos);
+  }
+  // A manifest of a save before options were recorded: the program's stay (checked in load_edited).
+  const std::size_t from = manifest.find(",\n \"optimizer_groups\"");
+  const std::size_t to = manifest.find(",\n \"metadata\"");
+  REQUIRE(from < to);
+  for (const std::string& message : load_edited(manifest.substr(from, to - from), "")) CHECK(message.empty());
+  // A save refuses, on every rank, options that differ across ranks or that no step would take; the checkpoint stays.
+  std::vector<std::string> messages(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    DP dp(comm, model.tensors(), base);
+    dp.broadcast_parameters();
+    auto& message = messages[static_cast<std::size_t>(comm.rank())];
+    if (comm.rank() == 1) dp.optimizer_options().lr = 4e-3f;
+    try {
+      dp.save_checkpoint(path);
+    } catch (const tandem::error& e) {
+      message += std::string(e.what()) + "\n";
+    }
+    dp.optimizer_options().lr = -1.0f;
+    try {
+      dp.save_checkpoint(path);
+    } catch (const tandem::error& e) {
+      message += e.what();
+    }
+  });
+  for (const std::string& message : messages) {
+    CHECK(message.find("ranks 0 and 1 have different optimizer options (optimizer_options()); every rank must set the "
+                       "same. Nothing was saved") != std::string::npos);
+    CHECK(message.find("AdamWOptions::lr is -1") != std::string::npos);
+  }
+  const std::vector<char> after = read_file(manifest_file);
+  CHECK(std::string(after.begin(), after.end()) == manifest);
+  std::filesystem::remove_all(path);
+  // An optimizer whose options have no names: its checkpoint holds none, and a load leaves the program's
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    test::DataParallel<tandem::Replicated, Unnamed> a(comm, model.tensors(), {.lr = 0.5f});
+    a.broadcast_parameters();
+    a.save_checkpoint(path);
+    test::DataParallel<tandem::Replicated, Unnamed> b(comm, model.tensors(), {.lr = 0.25f});
+    b.load_checkpoint(path);
+    CHECK(b.optimizer_options().lr == 0.25f);
+  });
+  {
+    const std::vector<char> bytes = read_file(manifest_file);
+    CHECK(std::string(bytes.begin(), bytes.end()).find("optimizer_groups") == std::string::npos);
+  }
+  std::filesystem::remove_all(path);
+  // SGD's options, Nesterov's enumeration among them
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 1);
+    const tandem::SGDOptions saved{.lr = 0.05f, .momentum = 0.9f, .nesterov = tandem::Nesterov::on};
+    test::DataParallel<tandem::Replicated, tandem::SGD> a(comm, model.tensors(), saved);
+    a.broadcast_parameters();
+    a.save_checkpoint(path);
+    test::DataParallel<tandem::Replicated, tandem::SGD> b(comm, model.tensors(), {.momentum = 0.5f});
+    b.load_checkpoint(path);
+    CHECK(std::memcmp(&b.optimizer_options(), &saved, sizeof saved) == 0);
+  });
   std::filesystem::remove_all(path);
 }
 

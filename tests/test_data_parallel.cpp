@@ -598,6 +598,49 @@ TEST_CASE_TEMPLATE(
   CHECK(std::memcmp(eager.data(), stale.data(), n * sizeof(float)) != 0);
 }
 
+TEST_CASE_TEMPLATE("replays of a captured step after a load read the options the load restored", Policy,
+                   tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // A checkpoint saved after one step with lr 5e-3; an eager run goes on from there. A second run captures its step
+  // with lr 1e-2, then loads the checkpoint and replays: the load stores the restored options as
+  // store_optimizer_options() does, so the replays give the eager run's bits (with the capture's lr, other bits).
+  constexpr std::size_t n = 3000;
+  constexpr int steps = 5;
+  const std::string dir = test::temp_path("restored_options");
+  auto train = [&](bool captured) {
+    QuadraticProblem problem(n);
+    tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
+      tandem::HostStream user;
+      tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
+          comm, {{"w", problem.w.data(), problem.g.data(), n}}, {.lr = 1e-2f},
+          {.bucket_cap_bytes = 4096, .stream = user.stream()});
+      dp.broadcast_parameters();
+      const tandem::StreamHostBackend launcher;
+      auto optimizer_step = [&] {
+        launcher.launch(1, problem.gradient(), user.stream());
+        dp.step();
+      };
+      optimizer_step();
+      if (!captured) {
+        dp.optimizer_options().lr = 5e-3f;
+        dp.save_checkpoint(dir);
+        for (int s = 0; s < steps; ++s) optimizer_step();
+      } else {
+        user.begin_capture();
+        optimizer_step();
+        const tandem::HostGraph graph = user.end_capture();
+        dp.load_checkpoint(dir);
+        CHECK(dp.optimizer_options().lr == 5e-3f);
+        for (int s = 0; s < steps; ++s) graph.replay();
+      }
+      user.synchronize();
+    });
+    return problem.w;
+  };
+  const std::vector<float> eager = train(false), replayed = train(true);
+  CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE_TEMPLATE(
     "a step that checks (two ranks, clipping, non-finite skip) is captured under StepReport::deferred and replays to "
     "the bits of eager steps, a skipped one too",

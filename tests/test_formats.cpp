@@ -8,8 +8,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <random>
@@ -451,6 +454,25 @@ TEST_CASE("safetensors: an entry in any valid form parses as the same entry in t
                        tandem::error);
 }
 
+namespace {
+
+// `text` with its first `from` replaced by `to`.
+std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  REQUIRE(text.find(from) != std::string::npos);
+  return text.replace(text.find(from), from.size(), to);
+}
+
+// Each manifest text is refused by parse_manifest with a message that holds its reason.
+template <std::size_t N>
+void check_refused(const std::pair<std::string, const char*> (&manifests)[N]) {
+  for (const auto& [text, why] : manifests) {
+    CAPTURE(why);
+    CHECK_THROWS_WITH_AS(tandem::detail::parse_manifest(text, "m"), doctest::Contains(why), tandem::error);
+  }
+}
+
+}  // namespace
+
 TEST_CASE("the manifest: written, parsed back the same, and refused when incomplete or of another version") {
   tandem::CheckpointManifest m;
   m.step = 12;
@@ -494,12 +516,7 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
     CHECK(r.parameters_only);
     CHECK(r.skipped_steps == 0);  // (a manifest of a save before skipped_steps was recorded has none)
   }
-  auto broken = [&](const std::string& from, const std::string& to) {
-    std::string t = text;
-    REQUIRE(t.find(from) != std::string::npos);
-    t.replace(t.find(from), from.size(), to);
-    return t;
-  };
+  auto broken = [&](const std::string& from, const std::string& to) { return replaced(text, from, to); };
   const std::pair<std::string, const char*> bad[] = {
       {broken("\"version\": 2", "\"version\": 3"), "format version 3"},
       {broken("\"tandem-checkpoint\"", "\"other\""), "is not a tandem checkpoint manifest"},
@@ -516,8 +533,82 @@ TEST_CASE("the manifest: written, parsed back the same, and refused when incompl
       {"[1, 2]", "lacks `format`"},
       {broken("\"files\": [", "\"files\": [1, "), "lacks `name`"},
   };
-  for (const auto& [t, why] : bad) {
-    CAPTURE(why);
-    CHECK_THROWS_WITH_AS(tandem::detail::parse_manifest(t, "m"), doctest::Contains(why), tandem::error);
+  check_refused(bad);
+}
+
+TEST_CASE("the manifest's optimizer groups: written by name, parsed back exactly, and refused where inconsistent") {
+  tandem::CheckpointManifest m;
+  m.optimizer = "AdamW";
+  m.state_count = 0;  // (what parse_manifest checks of it: 0 in a parameters-only manifest, below)
+  m.world_size = 1;
+  m.tensors = {{"w", 10, tandem::DType::fp32}, {"b", 3, tandem::DType::fp32}, {"g", 4, tandem::DType::fp32}};
+  m.files = {{"r0.safetensors", 100, 1}};
+  m.optimizer_groups = {{{"lr", 1e-3f}, {"beta1", 0.9f}, {"eps", 1e-8f}}, {{"lr", 3e-4f}, {"beta1", 0.0}}};
+  m.optimizer_group_of = {0, 1, 0};
+  const std::string text = tandem::detail::manifest_json(m);
+  // each value as the shortest text of its float
+  CHECK(text.find("\"optimizer_groups\": [{\"lr\": 0.001, \"beta1\": 0.9, \"eps\": 1e-08}, {\"lr\": 3e-04, "
+                  "\"beta1\": 0}]") != std::string::npos);
+  CHECK(text.find("\"optimizer_group_of\": [0, 1, 0]") != std::string::npos);
+  const tandem::CheckpointManifest back = tandem::detail::parse_manifest(text, "m");
+  REQUIRE(back.optimizer_groups.size() == 2);
+  for (std::size_t g = 0; g < 2; ++g) {
+    REQUIRE(back.optimizer_groups[g].size() == m.optimizer_groups[g].size());
+    for (std::size_t k = 0; k < m.optimizer_groups[g].size(); ++k) {
+      CHECK(back.optimizer_groups[g][k].first == m.optimizer_groups[g][k].first);
+      CHECK(static_cast<float>(back.optimizer_groups[g][k].second) ==
+            static_cast<float>(m.optimizer_groups[g][k].second));
+    }
+  }
+  CHECK(back.optimizer_group_of == m.optimizer_group_of);
+  {  // one group: no assignment written; none at all: neither member (a manifest of a save before they were recorded)
+    tandem::CheckpointManifest one = m;
+    one.optimizer_groups.resize(1);
+    one.optimizer_group_of.clear();
+    const std::string t = tandem::detail::manifest_json(one);
+    CHECK(t.find("optimizer_group_of") == std::string::npos);
+    CHECK(tandem::detail::parse_manifest(t, "m").optimizer_groups.size() == 1);
+    one.optimizer_groups.clear();
+    CHECK(tandem::detail::manifest_json(one).find("optimizer_groups") == std::string::npos);
+    CHECK(tandem::detail::parse_manifest(tandem::detail::manifest_json(one), "m").optimizer_groups.empty());
+  }
+  auto broken = [&](const std::string& from, const std::string& to) { return replaced(text, from, to); };
+  const std::pair<std::string, const char*> bad[] = {
+      {broken("\"lr\": 0.001", "\"lr\": \"0.001\""), "optimizer option `lr` that is not a finite number"},
+      {broken("\"lr\": 0.001", "\"lr\": 1e999"), "optimizer option `lr` that is not a finite number"},
+      {broken("\"beta1\": 0.9", "\"lr\": 0.9"), "optimizer option `lr` twice"},
+      {broken("[0, 1, 0]", "[0, 1]"), "gives 2 tensors an optimizer group, but holds 3"},
+      {broken("[0, 1, 0]", "[0, 2, 0]"), "an optimizer group that optimizer_groups does not hold"},
+      {broken("[0, 1, 0]", "[0, -1, 0]"), "an optimizer group that optimizer_groups does not hold"},
+      {broken(",\n \"optimizer_group_of\": [0, 1, 0]", ""), "holds 2 optimizer groups but no optimizer_group_of"},
+      {broken("\"optimizer_groups\": [", "\"optimizer_groups\": [7, "), "lacks `optimizer_groups`"},
+      {broken("\"parameters_only\": false", "\"parameters_only\": true"), "is parameters-only but holds state"},
+  };
+  check_refused(bad);
+}
+
+TEST_CASE("json::number writes the shortest text that reads back as the number, or as its float") {
+  using tandem::detail::json::number;
+  CHECK(number(1e-3f) == "0.001");
+  CHECK(number(0.9f) == "0.9");
+  CHECK(number(1e-8f) == "1e-08");
+  CHECK(number(0.0) == "0");
+  CHECK(number(0.1) == "0.1");  // a double that is no float's value: its own shortest text
+  CHECK(number(1.0 / 3.0) == "0.3333333333333333");
+  std::mt19937 gen(5);
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint32_t bits = gen();
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    if (!std::isfinite(f)) continue;
+    const std::string text = number(f);
+    // JSON's grammar: the parser reads it as a number
+    tandem::detail::json::Parser p(text, "n");
+    const double read = p.value(0).number;
+    REQUIRE_MESSAGE(static_cast<float>(read) == f, text);
+    std::uint64_t d = (static_cast<std::uint64_t>(gen()) << 32) | gen();
+    double x;
+    std::memcpy(&x, &d, sizeof x);
+    if (std::isfinite(x)) REQUIRE_MESSAGE(std::strtod(number(x).c_str(), nullptr) == x, number(x));
   }
 }

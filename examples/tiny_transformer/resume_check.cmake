@@ -109,7 +109,11 @@ function(tool expect)
   endif()
 endfunction()
 
-tool("step 80, saved by GradientSharded at 2 ranks.*\n  metadata \"--seed\": \"1\"\n" verify "${DIR}/ckpt")
+# (the options a load restores, then the program's metadata)
+string(CONCAT verified "step 80, saved by GradientSharded at 2 ranks.*\n"
+       "  AdamW options: lr [0-9.e-]+ beta1 0.9 beta2 0.999 eps 1e-08 weight_decay 0\n"
+       ".*  metadata \"--seed\": \"1\"\n")
+tool("${verified}" verify "${DIR}/ckpt")
 tool("" consolidate "${DIR}/ckpt" "${DIR}/model.safetensors")
 # The consolidated parameters imported as a parameters-only checkpoint: it verifies, and consolidated again it holds
 # the same tensors, each with the same data checksum (the headers' metadata name their source, so the files differ).

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -92,8 +94,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const tandem::CheckpointManifest again =
         tandem::detail::parse_manifest(tandem::detail::manifest_json(m), "fuzz input, written back");
     if (again.step != m.step || again.metadata != m.metadata || again.tensors.size() != m.tensors.size() ||
-        again.files.size() != m.files.size())
+        again.files.size() != m.files.size() || again.optimizer_group_of != m.optimizer_group_of ||
+        again.optimizer_groups.size() != m.optimizer_groups.size())
       std::abort();
+    // each option by its name, and its value: a float's as that float, any other exactly
+    for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
+      if (again.optimizer_groups[g].size() != m.optimizer_groups[g].size()) std::abort();
+      for (std::size_t k = 0; k < m.optimizer_groups[g].size(); ++k) {
+        const auto& [name, value] = m.optimizer_groups[g][k];
+        const double back = again.optimizer_groups[g][k].second;
+        const bool a_float = std::fabs(value) <= FLT_MAX && static_cast<double>(static_cast<float>(value)) == value;
+        if (again.optimizer_groups[g][k].first != name ||
+            (a_float ? static_cast<float>(back) != static_cast<float>(value) : back != value))
+          std::abort();
+      }
+    }
   } catch (const tandem::error&) {
   }
   try {

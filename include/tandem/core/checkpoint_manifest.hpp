@@ -6,7 +6,9 @@
 //   manifest.json      {"format": "tandem-checkpoint", "version": 2, "step": 120, "skipped_steps": 3,
 //                       "policy": "GradientSharded", "world_size": 4, "optimizer": "AdamW", "optimizer_fingerprint":
 //                       "9f3c...", "state_count": 2, "param_dtype": "bf16", "bucket_cap_bytes": ...,
-//                       "first_bucket_cap_bytes": ..., "parameters_only": false, "metadata": {"data_seed": "7", ...},
+//                       "first_bucket_cap_bytes": ..., "parameters_only": false,
+//                       "optimizer_groups": [{"lr": 0.001, "beta1": 0.9, ...}, ...], "optimizer_group_of": [0, 1, ...],
+//                       "metadata": {"data_seed": "7", ...},
 //                       "tensors": [{"name": ..., "numel": ..., "dtype": ...}, ...],
 //                       "files": [{"name": ..., "bytes": ..., "header_crc32c": "1a2b3c4d"}, ...]}
 //   <files[r].name>    rank r's part: for every bucket of the saving plan (its tensor list, its world size and bucket
@@ -17,15 +19,20 @@
 //                      each with its CRC-32C in the file's metadata, which also records the step and the
 //                      program's metadata ("metadata/<key>"), so that the manifest's record of the header's checksum
 //                      covers them (a manifest without "metadata", of a save before it, holds none).
+// "optimizer_groups" holds the options of each optimizer group by name, and "optimizer_group_of" each tensor's group
+// (written where there is more than one group); a manifest of a save before they were recorded holds neither. Their
+// values reproduce "optimizer_fingerprint", which the load checks (the manifest has no checksum of its own).
 // A parameters-only checkpoint (tandem_checkpoint import) holds only the parameters, whole, in one file, tensors in any
 // order; loading it sets the parameters, derives the master weights and starts the optimizer state and step at zero.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/core/dtype.hpp"
@@ -45,6 +52,10 @@ using CheckpointMetadata = std::map<std::string, std::string>;
 /// not state; state belongs in tensors.
 inline constexpr std::size_t checkpoint_max_metadata_bytes = std::size_t{1} << 20;
 
+/// One optimizer group's options by name, in the optimizer's order (OptionsNamed), each value as a double (an
+/// enumeration's as its number).
+using OptimizerOptionValues = std::vector<std::pair<std::string, double>>;
+
 struct CheckpointManifest {
   struct File {
     std::string name;  ///< relative to the checkpoint's directory
@@ -63,6 +74,12 @@ struct CheckpointManifest {
   DType param_dtype = DType::fp32;
   std::uint64_t bucket_cap_bytes = 0, first_bucket_cap_bytes = 0;  ///< the saving plan's caps
   bool parameters_only = false;
+  /// The optimizer options at the save, one list per optimizer group (DataParallel::optimizer_options(g)), which
+  /// load_checkpoint restores. Empty in a parameters-only checkpoint, in one saved before they were recorded, and in
+  /// one of an optimizer whose options have no names.
+  std::vector<OptimizerOptionValues> optimizer_groups;
+  /// Each tensor's optimizer group, in the order of `tensors`; empty where there is one group.
+  std::vector<std::uint32_t> optimizer_group_of;
   CheckpointMetadata metadata;  ///< the program's (empty in a checkpoint saved without, or before there was any)
   std::vector<TensorSpec> tensors;
   std::vector<File> files;
@@ -103,7 +120,25 @@ inline std::string manifest_json(const CheckpointManifest& m) {
                   ", \"param_dtype\": \"" + dtype_name(m.param_dtype) +
                   "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
                   ", \"first_bucket_cap_bytes\": " + std::to_string(m.first_bucket_cap_bytes) +
-                  ", \"parameters_only\": " + (m.parameters_only ? "true" : "false") + ",\n \"metadata\": {";
+                  ", \"parameters_only\": " + (m.parameters_only ? "true" : "false");
+  if (!m.optimizer_groups.empty()) {
+    s += ",\n \"optimizer_groups\": [";
+    for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
+      s += g == 0 ? "{" : ", {";
+      for (std::size_t k = 0; k < m.optimizer_groups[g].size(); ++k)
+        s += (k == 0 ? "" : ", ") + quote(m.optimizer_groups[g][k].first) + ": " +
+             json::number(m.optimizer_groups[g][k].second);
+      s += "}";
+    }
+    s += "]";
+  }
+  if (!m.optimizer_group_of.empty()) {
+    s += ",\n \"optimizer_group_of\": [";
+    for (std::size_t i = 0; i < m.optimizer_group_of.size(); ++i)
+      s += (i == 0 ? "" : ", ") + std::to_string(m.optimizer_group_of[i]);
+    s += "]";
+  }
+  s += ",\n \"metadata\": {";
   for (auto it = m.metadata.begin(); it != m.metadata.end(); ++it)
     s += (it == m.metadata.begin() ? "" : ", ") + quote(it->first) + ": " + quote(it->second);
   s += "},\n \"tensors\": [";
@@ -276,6 +311,31 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
     }
     check_checkpoint_metadata(m.metadata, where + "has metadata that ");
   }
+  if (const Value* groups =
+          root.find("optimizer_groups")) {  // (a manifest of a save before they were recorded has none)
+    if (groups->kind != Value::Kind::array || groups->items.empty()) lacks("optimizer_groups");
+    for (const Value& group : groups->items) {
+      if (group.kind != Value::Kind::object) lacks("optimizer_groups");
+      OptimizerOptionValues& values = m.optimizer_groups.emplace_back();
+      for (const json::Member& option : group.members) {
+        if (option.value.kind != Value::Kind::number || !std::isfinite(option.value.number))
+          bad("has optimizer option `" + option.name + "` that is not a finite number");
+        for (const auto& [name, value] : values)
+          if (name == option.name) bad("has optimizer option `" + option.name + "` twice in a group");
+        values.emplace_back(option.name, option.value.number);
+      }
+    }
+  }
+  if (const Value* group_of = root.find("optimizer_group_of")) {
+    if (group_of->kind != Value::Kind::array) lacks("optimizer_group_of");
+    for (const Value& g : group_of->items) {
+      if (!g.is_count || g.count >= m.optimizer_groups.size())
+        bad("gives a tensor an optimizer group that optimizer_groups does not hold");
+      m.optimizer_group_of.push_back(static_cast<std::uint32_t>(g.count));
+    }
+  }
+  if (m.optimizer_groups.size() > 1 && m.optimizer_group_of.empty())
+    bad("holds " + std::to_string(m.optimizer_groups.size()) + " optimizer groups but no optimizer_group_of");
   if (!have_tensors) lacks("tensors");
   m.tensors.reserve(tensors.size());
   for (const Entry& t : tensors) {
@@ -298,7 +358,11 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
   }
   if (m.files.size() != (m.parameters_only ? 1u : m.world_size))
     bad("lists " + std::to_string(m.files.size()) + " files for " + std::to_string(m.world_size) + " ranks");
-  if (m.parameters_only && (m.state_count != 0 || m.world_size != 1)) bad("is parameters-only but holds state");
+  if (!m.optimizer_group_of.empty() && m.optimizer_group_of.size() != m.tensors.size())
+    bad("gives " + std::to_string(m.optimizer_group_of.size()) + " tensors an optimizer group, but holds " +
+        std::to_string(m.tensors.size()));
+  if (m.parameters_only && (m.state_count != 0 || m.world_size != 1 || !m.optimizer_groups.empty()))
+    bad("is parameters-only but holds state");
   return m;
 }
 

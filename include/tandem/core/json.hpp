@@ -5,6 +5,8 @@
 // is a tandem::error naming the byte where it went wrong.
 #pragma once
 
+#include <cfloat>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -45,6 +47,18 @@ inline const Value* Value::find(std::string_view key) const {
   for (const Member& m : members)
     if (m.name == key) return &m.value;
   return nullptr;
+}
+
+/// A finite number as JSON text, the shortest that reads back as v (strtod); where v is a float's value, the shortest
+/// that reads back as that float after a cast to float (0.001f as 0.001, not 0.0010000000474974513).
+inline std::string number(double v) {
+  char text[32];
+  const bool in_float_range = v >= -static_cast<double>(FLT_MAX) && v <= static_cast<double>(FLT_MAX);
+  if (const auto f = in_float_range ? static_cast<float>(v) : 0.0f; in_float_range && static_cast<double>(f) == v) {
+    const std::string shortest(text, std::to_chars(text, text + sizeof text, f).ptr);
+    if (static_cast<float>(std::strtod(shortest.c_str(), nullptr)) == f) return shortest;
+  }
+  return std::string(text, std::to_chars(text, text + sizeof text, v).ptr);
 }
 
 /// Appends s to out with the escapes a JSON string literal requires (no quotes).

@@ -394,7 +394,8 @@ class DataParallel {
     backend_.read(values.data(), staging.data(), values.size_bytes(), work_stream());
   }
 
-  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, step count; and skipped_steps())
+  /// Saves the whole training state (parameters, fp32 master weights, optimizer state, the optimizer options of every
+  /// group and the groups' assignment, step count; and skipped_steps())
   /// as a sharded checkpoint in directory `dir` (created if missing): every rank writes its shard of every bucket to a
   /// safetensors file of its own, in parallel and streamed through a few MiB of host memory, and rank 0 then writes
   /// manifest.json, which makes the set the checkpoint (core/checkpoint_manifest.hpp). A crash before that leaves the
@@ -409,7 +410,7 @@ class DataParallel {
   /// parameters were never set (broadcast_parameters, initialize_parameters), so that it never replaces a good
   /// checkpoint with one that is not a training state. `metadata`, the program's own records (the options that chose
   /// its data, its data loader's position), is kept with the state, under the checksums that cover it, and
-  /// load_checkpoint returns it; every rank must give the same.
+  /// load_checkpoint returns it; every rank must give the same, as the same optimizer options (which must be valid).
   TANDEM_COLD void save_checkpoint(const std::string& dir, const CheckpointMetadata& metadata = {}) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
     if (micro_ != 0)
@@ -427,6 +428,7 @@ class DataParallel {
     }
     std::uint64_t given = detail::fnv1a_basis;  // this rank's metadata, which the ranks compare below
     if (problem.empty()) try {
+        check_groups("save_checkpoint");  // the options the checkpoint records, as the next step would take them
         detail::check_checkpoint_metadata(metadata, "tandem: save_checkpoint: the metadata ");
         for (const auto& [key, value] : metadata)
           for (const std::string* text : {&key, &value}) {
@@ -437,11 +439,17 @@ class DataParallel {
         problem = e.what();
       }
     // Compared before anything is created: a refused save leaves no trace (not even a new, empty directory).
-    const std::vector<std::uint64_t> given_by = all_gather_words({given});
-    for (int r = 1; r < world_ && problem.empty(); ++r)
-      if (given_by[static_cast<std::size_t>(r)] != given_by[0])
+    const std::vector<std::uint64_t> given_by = all_gather_words({given, optimizer_fingerprint()});
+    for (int r = 1; r < world_ && problem.empty(); ++r) {
+      const auto at = 2 * static_cast<std::size_t>(r);
+      if (given_by[at] != given_by[0])
         problem = "tandem: save_checkpoint: ranks 0 and " + std::to_string(r) +
                   " gave different metadata; every rank must give the same. Nothing was saved";
+      else if (given_by[at + 1] != given_by[1])
+        problem = "tandem: save_checkpoint: ranks 0 and " + std::to_string(r) +
+                  " have different optimizer options (optimizer_options()); every rank must set the same. Nothing "
+                  "was saved";
+    }
     std::uint64_t id = 0;
     try {
       if (problem.empty()) detail::create_directories_durably(dir);
@@ -485,6 +493,11 @@ class DataParallel {
         m.world_size = static_cast<std::uint32_t>(world_);
         m.optimizer = Opt::name;
         m.optimizer_fingerprint = optimizer_fingerprint();
+        if constexpr (OptionsNamed<Opt>) {
+          for (const OptimizerOptions& group : groups_) m.optimizer_groups.push_back(detail::option_values<Opt>(group));
+          if (groups_.size() > 1)
+            for (std::size_t group : group_of_) m.optimizer_group_of.push_back(static_cast<std::uint32_t>(group));
+        }
         m.state_count = static_cast<std::uint32_t>(state_.state_count());
         m.param_dtype = pdtype_;
         m.bucket_cap_bytes = options_.bucket_cap_bytes;
@@ -515,7 +528,11 @@ class DataParallel {
   /// step; at the saving plan, under a policy that shards the optimizer state, a rank reads its own file only), a
   /// parameters-only one (tandem_checkpoint import: the parameters; master weights derived, optimizer state and step
   /// zero), or a single file of tandem's earlier format. The tensors (names, sizes, dtypes) and the optimizer must
-  /// match. Collective. Every rank reads and checks the manifest (or file) before anything is changed; if any rank
+  /// match. The optimizer options become those the checkpoint recorded, with its groups (optimizer_options(g),
+  /// set_optimizer_groups), as torch's Optimizer.load_state_dict restores its param_groups' hyperparameters: to go on
+  /// with others (another learning rate), change them after the load. A checkpoint that recorded none (parameters-only,
+  /// the earlier file format, a save before tandem recorded them, an optimizer that is not OptionsNamed) leaves the
+  /// program's. Collective. Every rank reads and checks the manifest (or file) before anything is changed; if any rank
   /// fails there, or the ranks read different checkpoints, every rank throws and nothing changed. Where a save (another
   /// job's: a load takes no lock) commits into the directory while the ranks read it, so that they read two manifests
   /// or a file of the one they read is gone, they read it again, together, up to detail::checkpoint_load_attempts times
@@ -539,6 +556,7 @@ class DataParallel {
       std::string problem;
       std::optional<CheckpointData> single;
       std::optional<detail::ShardedCheckpoint> sharded;
+      std::optional<SavedGroups> saved;  // the optimizer groups the checkpoint recorded
       std::uint64_t step = 0, content = 0;
       bool looked = false;  // this rank looked for the checkpoint (the checks of its own calls passed)
       try {
@@ -552,6 +570,7 @@ class DataParallel {
           content = detail::crc32c(text.data(), text.size());
           CheckpointManifest m = detail::parse_manifest(text, manifest);
           detail::check_manifest(m, path, layout_, Opt::name, state_.state_count(), pdtype_);
+          saved = saved_groups(m, path);
           step = m.parameters_only ? 0 : m.step;
           sharded.emplace(path, std::move(m), layout_);
           // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
@@ -644,6 +663,15 @@ class DataParallel {
       gathered_.forget();
       synced_ = true;
       damaged_.clear();
+      if (saved) {  // the options the checkpoint's steps were taken with (references to them stay valid where they can)
+        if (saved->groups.size() == groups_.size())
+          std::copy(saved->groups.begin(), saved->groups.end(), groups_.begin());
+        else
+          groups_ = std::move(saved->groups);
+        group_of_ = std::move(saved->group_of);
+        build_segments();
+        store_options(Store::always);  // for replays of a captured step, as store_optimizer_options()
+      }
       for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
       scope.leave();
       return sharded && !sharded->manifest().parameters_only ? sharded->manifest().metadata : CheckpointMetadata{};
@@ -1011,8 +1039,8 @@ class DataParallel {
   };
 
   /// The optimizer's options (of group 0: every tensor's, unless set_optimizer_groups says otherwise); change them
-  /// between steps (a learning-rate schedule, say). The reference stays valid until set_optimizer_groups replaces the
-  /// groups.
+  /// between steps (a learning-rate schedule, say). The reference stays valid until set_optimizer_groups, or a
+  /// load_checkpoint of a checkpoint with another number of groups, replaces the groups.
   OptimizerOptions& optimizer_options() { return optimizer_options(0); }
 
   /// Group g's optimizer options (set_optimizer_groups); change them between steps as optimizer_options(). Throws
@@ -1025,6 +1053,15 @@ class DataParallel {
     return groups_[group];
   }
   std::size_t optimizer_group_count() const { return groups_.size(); }
+  /// The optimizer group of tensor `tensor` (layout order; set_optimizer_groups). Throws tandem::error for a tensor
+  /// that does not exist.
+  std::size_t optimizer_group(std::size_t tensor) const {
+    check_live("optimizer_group()");
+    if (tensor >= layout_.size())
+      detail::fail("tandem: optimizer_group(" + std::to_string(tensor) + "): the layout has " +
+                   std::to_string(layout_.size()) + " tensors");
+    return group_of_.empty() ? 0 : group_of_[tensor];
+  }
 
   /// Makes the optimizer options as they are now (every group's) those the next update uses, in the order of the
   /// user's stream. step() does it itself whenever they changed since; a step replayed from a captured graph runs no
@@ -1955,18 +1992,59 @@ class DataParallel {
 
   /// The optimizer options' fingerprint: group 0's alone when there is one group (as checkpoints have always held),
   /// else every group's and the assignment's.
-  std::uint64_t optimizer_fingerprint() const {
-    std::uint64_t h = Opt::fingerprint(groups_[0]);
-    if (groups_.size() == 1) return h;
-    for (std::size_t g = 1; g < groups_.size(); ++g) {
-      const std::uint64_t f = Opt::fingerprint(groups_[g]);
+  std::uint64_t optimizer_fingerprint() const { return optimizer_fingerprint(groups_, group_of_); }
+  static std::uint64_t optimizer_fingerprint(const std::vector<OptimizerOptions>& groups,
+                                             const std::vector<std::size_t>& group_of) {
+    std::uint64_t h = Opt::fingerprint(groups[0]);
+    if (groups.size() == 1) return h;
+    for (std::size_t g = 1; g < groups.size(); ++g) {
+      const std::uint64_t f = Opt::fingerprint(groups[g]);
       h = detail::fnv1a(&f, sizeof f, h);
     }
-    for (std::size_t group : group_of_) {
+    for (std::size_t group : group_of) {
       const std::uint64_t v = group;
       h = detail::fnv1a(&v, sizeof v, h);
     }
     return h;
+  }
+
+  /// The optimizer groups a checkpoint's manifest recorded, as load_checkpoint restores them.
+  struct SavedGroups {
+    std::vector<OptimizerOptions> groups;
+    std::vector<std::size_t> group_of;
+  };
+
+  /// The optimizer groups manifest `m` of the checkpoint `path` recorded (none where it holds none), checked as
+  /// set_optimizer_groups checks its arguments (the assignment, parse_manifest) and against the manifest's optimizer
+  /// fingerprint, with room for them reserved; throws tandem::error otherwise.
+  std::optional<SavedGroups> saved_groups(const CheckpointManifest& m, const std::string& path) {
+    if constexpr (!OptionsNamed<Opt>) {
+      return std::nullopt;
+    } else {
+      if (m.parameters_only || m.optimizer_groups.empty()) return std::nullopt;
+      SavedGroups saved;
+      for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
+        const std::string where = "tandem: the checkpoint `" + path + "`, optimizer group " + std::to_string(g) + ", ";
+        const OptimizerOptions& options =
+            saved.groups.emplace_back(detail::options_from_values<Opt>(m.optimizer_groups[g], where));
+        try {
+          Opt::validate(options);
+        } catch (const error& e) {
+          const std::string why = e.what();
+          detail::fail(where + "holds invalid options: " + (why.starts_with("tandem: ") ? why.substr(8) : why));
+        }
+        if (Opt::state_count(options) > state_.state_count())
+          detail::fail(where + "holds options that need " + std::to_string(Opt::state_count(options)) +
+                       " state arrays; this DataParallel keeps " + std::to_string(state_.state_count()));
+      }
+      saved.group_of.assign(m.optimizer_group_of.begin(), m.optimizer_group_of.end());
+      if (optimizer_fingerprint(saved.groups, saved.group_of) != m.optimizer_fingerprint)
+        detail::fail("tandem: the checkpoint `" + path +
+                     "` holds optimizer options that do not give its optimizer_fingerprint: its manifest was edited "
+                     "or damaged");
+      control_.reserve_groups(backend_, saved.groups.size());
+      return saved;
+    }
   }
 
   template <class T>

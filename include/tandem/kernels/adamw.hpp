@@ -56,6 +56,16 @@ struct AdamW {
     return detail::fingerprint_values({o.lr, o.beta1, o.beta2, o.eps, o.weight_decay});
   }
 
+  /// Calls f(name, member) for each option, in this order (OptionsNamed): a checkpoint records them by name.
+  template <class O, class F>
+  static void visit_options(O& o, F&& f) {
+    f("lr", o.lr);
+    f("beta1", o.beta1);
+    f("beta2", o.beta2);
+    f("eps", o.eps);
+    f("weight_decay", o.weight_decay);
+  }
+
   /// Per-step scalars, from the options and the 1-based step number t. A DataParallel computes them on its backend
   /// (detail::PrepareStepBody), from the step count it keeps there.
   struct Scalars {

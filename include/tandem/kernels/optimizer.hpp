@@ -300,4 +300,22 @@ concept Optimizer = requires(const typename O::Options& options, std::uint64_t s
   requires std::is_trivially_copyable_v<typename O::Options> && std::is_trivially_copyable_v<typename O::Scalars>;
 };
 
+namespace detail {
+/// A visitor of every option type (the archetype OptionsNamed tests visit_options with).
+struct AnyOptionVisitor {
+  template <class T>
+  void operator()(const char*, T&) const {}
+};
+}  // namespace detail
+
+/// An optimizer whose options have names: O::visit_options(options, f) calls f(name, member) for each option, in a
+/// fixed order, every member a float or an enumeration (SGD's Nesterov). Checkpoints record such options, and a load
+/// restores them; an optimizer without visit_options saves none, and a load leaves the program's. AdamW and SGD name
+/// theirs.
+template <class O>
+concept OptionsNamed = Optimizer<O> && requires(typename O::Options& options, const typename O::Options& recorded) {
+  O::visit_options(options, detail::AnyOptionVisitor{});   // to restore them
+  O::visit_options(recorded, detail::AnyOptionVisitor{});  // to record them
+};
+
 }  // namespace tandem

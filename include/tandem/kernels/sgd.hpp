@@ -63,6 +63,16 @@ struct SGD {
         {o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov == Nesterov::on ? 1.0f : 0.0f});
   }
 
+  /// Calls f(name, member) for each option, in this order (OptionsNamed): a checkpoint records them by name.
+  template <class O, class F>
+  static void visit_options(O& o, F&& f) {
+    f("lr", o.lr);
+    f("momentum", o.momentum);
+    f("dampening", o.dampening);
+    f("weight_decay", o.weight_decay);
+    f("nesterov", o.nesterov);
+  }
+
   struct Scalars {
     float lr, momentum, dampening, weight_decay;
     bool first_step;

@@ -17,15 +17,18 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -178,6 +181,56 @@ inline std::vector<SafetensorsEntry> whole_entries(const std::vector<TensorSpec>
   for (const CheckpointArray& a : arrays)
     for (const TensorSpec& t : tensors) entries.push_back({a.prefix + t.name, a.dtype, t.numel});
   return entries;
+}
+
+/// An optimizer group's options as a checkpoint records them: by name, in Opt's order (OptionsNamed).
+template <class Opt>
+OptimizerOptionValues option_values(const typename Opt::Options& options) {
+  OptimizerOptionValues values;
+  Opt::visit_options(options, [&](const char* name, const auto& member) {
+    using T = std::remove_cvref_t<decltype(member)>;
+    static_assert(std::is_enum_v<T> || std::is_same_v<T, float>, "an optimizer option is a float or an enumeration");
+    if constexpr (std::is_enum_v<T>)
+      values.emplace_back(name, static_cast<double>(static_cast<std::underlying_type_t<T>>(member)));
+    else
+      values.emplace_back(name, static_cast<double>(member));
+  });
+  return values;
+}
+
+/// The options a checkpoint recorded (option_values): each of Opt's by its name, and no other; values as their float
+/// or, for an enumeration, an integer. Throws tandem::error, its message beginning with `where`, otherwise. The result
+/// is not validated (Opt::validate).
+template <class Opt>
+typename Opt::Options options_from_values(const OptimizerOptionValues& values, const std::string& where) {
+  typename Opt::Options options{};
+  std::size_t found = 0;
+  Opt::visit_options(options, [&](const char* name, auto& member) {
+    using T = std::remove_cvref_t<decltype(member)>;
+    const auto at = std::find_if(values.begin(), values.end(), [&](const auto& v) { return v.first == name; });
+    if (at == values.end()) fail(where + "lacks the " + Opt::name + " option `" + name + "`");
+    ++found;
+    if constexpr (std::is_enum_v<T>) {
+      using U = std::underlying_type_t<T>;
+      if (!(at->second >= static_cast<double>(std::numeric_limits<U>::min()) &&
+            at->second <= static_cast<double>(std::numeric_limits<U>::max()) && at->second == std::floor(at->second)))
+        fail(where + "gives the " + Opt::name + " option `" + name + "` " + json::number(at->second) +
+             ", which is not one of its values");
+      member = static_cast<T>(static_cast<U>(at->second));
+    } else {
+      if (!(std::fabs(at->second) <= static_cast<double>(std::numeric_limits<float>::max())))
+        fail(where + "gives the " + Opt::name + " option `" + name + "` " + json::number(at->second) +
+             ", beyond a float's range");
+      member = static_cast<float>(at->second);
+    }
+  });
+  if (found != values.size())
+    for (const auto& [name, value] : values) {
+      bool known = false;
+      Opt::visit_options(options, [&](const char* mine, const auto&) { known = known || name == mine; });
+      if (!known) fail(where + "holds an option `" + name + "`, which " + Opt::name + " does not have");
+    }
+  return options;
 }
 
 /// What a checkpoint whose names clash is told to do.
