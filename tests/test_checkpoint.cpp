@@ -237,14 +237,19 @@ TEST_CASE("a load restores the optimizer options and groups of the save; an edit
                       "\"weight_decay\": 0.05}, {\"lr\": 0.001, \"beta1\": 0.9, \"beta2\": 0.999, \"eps\": 1e-08, "
                       "\"weight_decay\": 0}]") != std::string::npos);
   // Loads the checkpoint with its manifest edited (`from` replaced by `to`) at 2 ranks, whose lr is 1 before; returns
-  // each rank's error ("" where it loaded) and checks that a failed load changed nothing, and what a load of a
-  // manifest without options keeps.
+  // each rank's error ("" where it loaded), then verify_checkpoint's, and checks that a failed load changed nothing,
+  // and what a load of a manifest without options keeps.
   const auto load_edited = [&](const std::string& from, const std::string& to) {
     std::string edited = manifest;
     REQUIRE(edited.find(from) != std::string::npos);
     edited.replace(edited.find(from), from.size(), to);
     write_file(manifest_file, std::vector<char>(edited.begin(), edited.end()));
-    std::vector<std::string> messages(2);
+    std::vector<std::string> messages(3);
+    try {
+      tandem::verify_checkpoint(path);
+    } catch (const tandem::error& e) {
+      messages[2] = e.what();
+    }
     tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
       mlp::Mlp<float> model(dims, 1);
       DP dp(comm, model.tensors(), base);
@@ -306,7 +311,8 @@ TEST_CASE("a load restores the optimizer options and groups of the save; an edit
   for (const std::string& message : messages) {
     CHECK(message.find("ranks 0 and 1 have different optimizer options (optimizer_options()); every rank must set the "
                        "same. Nothing was saved") != std::string::npos);
-    CHECK(message.find("AdamWOptions::lr is -1") != std::string::npos);
+    CHECK(message.find("save_checkpoint: AdamWOptions::lr is -1; it must be finite and >= 0. Nothing was saved") !=
+          std::string::npos);
   }
   const std::vector<char> after = read_file(manifest_file);
   CHECK(std::string(after.begin(), after.end()) == manifest);
@@ -338,6 +344,47 @@ TEST_CASE("a load restores the optimizer options and groups of the save; an edit
     CHECK(std::memcmp(&b.optimizer_options(), &saved, sizeof saved) == 0);
   });
   std::filesystem::remove_all(path);
+}
+
+TEST_CASE("optimizer options through a manifest's text come back bit for bit, FLT_MAX and subnormals too") {
+  // option_values, the manifest's JSON and options_from_values, as a save and a load take them
+  auto through_text = [](const tandem::SGDOptions& o) {
+    tandem::CheckpointManifest m;
+    m.tensors = {{"w", 1, tandem::DType::fp32}};
+    m.files = {{"f", 1, 1}};
+    m.optimizer_groups = {tandem::detail::option_values<tandem::SGD>(o)};
+    const tandem::CheckpointManifest back = tandem::detail::parse_manifest(tandem::detail::manifest_json(m), "m");
+    return tandem::detail::options_from_values<tandem::SGD>(back.optimizer_groups.at(0), "m: ");
+  };
+  std::mt19937 gen(3);
+  std::vector<float> values = {3.4028235e38f, -3.4028235e38f, 1e-45f, -1e-45f, 1.17549435e-38f, 0.0f, -0.0f, 1.0f};
+  for (int i = 0; i < 20000; ++i) {
+    const std::uint32_t bits = gen();
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    if (std::isfinite(f)) values.push_back(f);
+  }
+  for (std::size_t i = 0; i + 3 < values.size(); i += 4) {
+    const tandem::SGDOptions o{.lr = values[i],
+                               .momentum = values[i + 1],
+                               .dampening = values[i + 2],
+                               .weight_decay = values[i + 3],
+                               .nesterov = i % 8 == 0 ? tandem::Nesterov::on : tandem::Nesterov::off};
+    const tandem::SGDOptions back = through_text(o);
+    REQUIRE_MESSAGE(std::memcmp(&back, &o, sizeof o) == 0, i);
+  }
+  // values that are no float's, or no Nesterov's
+  const std::pair<tandem::OptimizerOptionValues, const char*> refused[] = {
+      {{{"lr", 1e39}, {"momentum", 0}, {"dampening", 0}, {"weight_decay", 0}, {"nesterov", 0}},
+       "gives the SGD option `lr` 1e+39, beyond a float's range"},
+      {{{"lr", 1}, {"momentum", 0}, {"dampening", 0}, {"weight_decay", 0}, {"nesterov", 0.5}},
+       "gives the SGD option `nesterov` 0.5, which is not one of its values"},
+      {{{"lr", 1}, {"momentum", 0}, {"dampening", 0}, {"weight_decay", 0}, {"nesterov", 1e10}},
+       "gives the SGD option `nesterov` 1e+10, which is not one of its values"},
+  };
+  for (const auto& [values_given, why] : refused)
+    CHECK_THROWS_WITH_AS(tandem::detail::options_from_values<tandem::SGD>(values_given, "m: "), doctest::Contains(why),
+                         tandem::error);
 }
 
 TEST_CASE("save at 4 ranks, load at 2 and 3 under other policies: the state is restored bit for bit") {

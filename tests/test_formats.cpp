@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <clocale>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -587,8 +589,55 @@ TEST_CASE("the manifest's optimizer groups: written by name, parsed back exactly
   check_refused(bad);
 }
 
+namespace {
+
+// Sets LC_NUMERIC to a locale whose decimal point is a comma, as a program's setlocale(LC_ALL, "") may: de_DE.UTF-8,
+// made with localedef in a temporary directory where it is not installed. False where none can be had.
+bool comma_decimal_locale() {
+  if (std::setlocale(LC_NUMERIC, "de_DE.UTF-8") != nullptr) return true;
+  const std::string dir = test::temp_path("locales");
+  std::filesystem::create_directories(dir);
+  (void)std::system(("localedef -i de_DE -f UTF-8 '" + dir + "/de_DE.UTF-8' >/dev/null 2>&1").c_str());
+  setenv("LOCPATH", dir.c_str(), 1);
+  const bool set = std::setlocale(LC_NUMERIC, "de_DE.UTF-8") != nullptr;
+  unsetenv("LOCPATH");
+  std::filesystem::remove_all(dir);  // (the locale is loaded)
+  return set;
+}
+
+}  // namespace
+
+TEST_CASE("JSON numbers read and write the same whatever the locale's decimal point") {
+  REQUIRE_MESSAGE(comma_decimal_locale(),
+                  "no locale with a decimal comma could be made: localedef needs glibc's locale sources, Debian's "
+                  "package locales (tools/setup test installs it)");
+  CHECK(std::strtod("0.5", nullptr) == 0.0);  // the locale is in force: strtod stops at the '.'
+  tandem::CheckpointManifest m;
+  m.tensors = {{"w", 1, tandem::DType::fp32}};
+  m.files = {{"f", 1, 1}};
+  m.optimizer_groups = {{{"lr", 1e-3f}, {"beta2", 0.999f}}};
+  const std::string text = tandem::detail::manifest_json(m);
+  const tandem::CheckpointManifest back = tandem::detail::parse_manifest(text, "m");
+  std::setlocale(LC_NUMERIC, "C");
+  CHECK(text.find("\"lr\": 0.001, \"beta2\": 0.999") != std::string::npos);
+  CHECK(static_cast<float>(back.optimizer_groups.at(0).at(0).second) == 1e-3f);
+  CHECK(static_cast<float>(back.optimizer_groups.at(0).at(1).second) == 0.999f);
+}
+
 TEST_CASE("json::number writes the shortest text that reads back as the number, or as its float") {
   using tandem::detail::json::number;
+  using tandem::detail::json::number_value;
+  CHECK(number(3.4028234663852886e38) == "3.4028235e+38");  // FLT_MAX: its text reads back above it, as FLT_MAX
+  float f = 0;
+  CHECK((tandem::detail::json::float_of(number_value("3.4028235e+38"), f) && f == FLT_MAX));
+  CHECK(!tandem::detail::json::float_of(3.4028235677973366e38, f));  // halfway to 2^128: infinity
+  // beyond a double's range: +-infinity or +-0, by the magnitude the text writes
+  CHECK(number_value("1e400") == HUGE_VAL);
+  CHECK(number_value("-1000e306") == -HUGE_VAL);
+  CHECK(number_value("0.00001e-320") == 0.0);
+  CHECK(std::signbit(number_value("-1e-400")));
+  CHECK(number_value("123456789e-400") == 0.0);
+  CHECK(number_value("0.0000123e315") == HUGE_VAL);
   CHECK(number(1e-3f) == "0.001");
   CHECK(number(0.9f) == "0.9");
   CHECK(number(1e-8f) == "1e-08");

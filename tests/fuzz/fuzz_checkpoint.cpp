@@ -7,8 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +16,7 @@
 
 #include "tandem/core/checkpoint.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
+#include "tandem/core/json.hpp"
 #include "tandem/core/safetensors.hpp"
 
 namespace {
@@ -103,9 +102,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       for (std::size_t k = 0; k < m.optimizer_groups[g].size(); ++k) {
         const auto& [name, value] = m.optimizer_groups[g][k];
         const double back = again.optimizer_groups[g][k].second;
-        const bool a_float = std::fabs(value) <= FLT_MAX && static_cast<double>(static_cast<float>(value)) == value;
+        float f = 0, f_back = 0;
+        const bool a_float = tandem::detail::json::float_of(value, f) && static_cast<double>(f) == value;
         if (again.optimizer_groups[g][k].first != name ||
-            (a_float ? static_cast<float>(back) != static_cast<float>(value) : back != value))
+            (a_float ? !tandem::detail::json::float_of(back, f_back) || f_back != f : back != value))
           std::abort();
       }
     }

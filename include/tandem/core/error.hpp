@@ -55,6 +55,12 @@ namespace detail {
 /// Throws tandem::error with `what` (a complete sentence naming the argument and the fix).
 [[noreturn]] TANDEM_COLD inline void fail(std::string what) { throw error(std::move(what)); }
 
+/// An error's message without its leading "tandem: ", to follow the start of another message.
+TANDEM_COLD inline std::string reason(const std::exception& e) {
+  const std::string_view what = e.what();
+  return std::string(what.starts_with("tandem: ") ? what.substr(8) : what);
+}
+
 /// A float option's value as a message shows it: every digit that tells it apart ("-1e-07", "0.1", "nan"), where
 /// std::to_string would print "-0.000000".
 TANDEM_COLD inline std::string number(double value) {

@@ -7,12 +7,13 @@
 
 #include <cfloat>
 #include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -49,14 +50,55 @@ inline const Value* Value::find(std::string_view key) const {
   return nullptr;
 }
 
-/// A finite number as JSON text, the shortest that reads back as v (strtod); where v is a float's value, the shortest
-/// that reads back as that float after a cast to float (0.001f as 0.001, not 0.0010000000474974513).
+/// The value of a JSON number's text (-?int frac? exp?, which the caller has checked): the nearest double, whatever the
+/// C locale's decimal point (std::from_chars, not strtod); beyond a double's range, +-infinity where it overflows and
+/// +-0 where it underflows.
+inline double number_value(std::string_view text) {
+  double v = 0.0;
+  const char* const end = text.data() + text.size();
+  const auto read = std::from_chars(text.data(), end, v);
+  if (read.ec == std::errc{} && read.ptr == end) return v;
+  if (read.ec != std::errc::result_out_of_range)
+    fail("tandem: internal error: `" + std::string(text) + "` is no number");
+  // Out of range: the decimal exponent of its first nonzero digit says which way.
+  const bool negative = text.front() == '-';
+  long long lead = 0;  // that exponent
+  bool seen = false;   // a nonzero digit
+  std::size_t i = negative ? 1 : 0;
+  auto digit = [&] { return i < text.size() && text[i] >= '0' && text[i] <= '9'; };
+  for (; digit(); ++i) lead += seen ? 1 : 0, seen = seen || text[i] != '0';
+  if (i < text.size() && text[i] == '.')
+    for (++i; digit(); ++i)
+      if (!seen) --lead, seen = text[i] != '0';
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    const bool down = ++i < text.size() && text[i] == '-';
+    if (i < text.size() && (text[i] == '-' || text[i] == '+')) ++i;
+    long long e = 0;
+    for (; digit(); ++i) e = e < 1000000000 ? 10 * e + (text[i] - '0') : e;
+    lead += down ? -e : e;
+  }
+  const double magnitude = lead > 0 ? HUGE_VAL : 0.0;
+  return negative ? -magnitude : magnitude;
+}
+
+/// v as a float, where it rounds to a finite one (to +-FLT_MAX up to halfway to the next power of two, as
+/// round-to-nearest does, where a cast would be undefined): false where it is NaN or rounds to infinity.
+inline bool float_of(double v, float& out) {
+  constexpr double limit = 0x1.ffffffp+127;  // halfway between FLT_MAX and 2^128: from here on, infinity
+  if (!(v > -limit && v < limit)) return false;
+  out = v > static_cast<double>(FLT_MAX)    ? FLT_MAX
+        : v < -static_cast<double>(FLT_MAX) ? -FLT_MAX
+                                            : static_cast<float>(v);
+  return true;
+}
+
+/// A finite number as JSON text, the shortest that reads back as v (number_value); where v is a float's value, the
+/// shortest that reads back as that float (float_of): 0.001f as 0.001, not 0.0010000000474974513.
 inline std::string number(double v) {
   char text[32];
-  const bool in_float_range = v >= -static_cast<double>(FLT_MAX) && v <= static_cast<double>(FLT_MAX);
-  if (const auto f = in_float_range ? static_cast<float>(v) : 0.0f; in_float_range && static_cast<double>(f) == v) {
+  if (float f; float_of(v, f) && static_cast<double>(f) == v) {
     const std::string shortest(text, std::to_chars(text, text + sizeof text, f).ptr);
-    if (static_cast<float>(std::strtod(shortest.c_str(), nullptr)) == f) return shortest;
+    if (float back; float_of(number_value(shortest), back) && back == f) return shortest;
   }
   return std::string(text, std::to_chars(text, text + sizeof text, v).ptr);
 }
@@ -453,14 +495,14 @@ class Parser {
         if (n > (UINT64_MAX - d) / 10) exact = false;
         n = n * 10 + d;
       }
-      // (an integer below 2^64 converts as strtod rounds its decimal: to the nearest double)
+      // (an integer below 2^64 converts as number_value rounds its decimal: to the nearest double)
       if (exact) {
         is_count = true;
         count = n;
         return static_cast<double>(n);
       }
     }
-    return std::strtod(std::string(digits).c_str(), nullptr);  // out of range: ±HUGE_VAL (never an exception)
+    return number_value(digits);  // out of range: +-HUGE_VAL or +-0 (never an exception)
   }
 
   std::uint32_t hex4() {

@@ -2,7 +2,8 @@
 // Working with sharded checkpoints outside a training run (the tool examples/tandem_checkpoint is their command line):
 //
 //   verify_checkpoint(dir)                     every file's size and header checksum against the manifest, every
-//                                              tensor's data against its file, and every slice the saving plan cut
+//                                              tensor's data against its file, every slice the saving plan cut, and
+//                                              the optimizer options recorded (AdamW's, SGD's) as a load checks them
 //   consolidate_checkpoint(dir, out, arrays)   the parameters as whole tensors in one safetensors file (with
 //                                              Arrays::all also "master/<name>" and "state<k>/<name>"), for inference,
 //                                              PyTorch or anything else that reads safetensors; the program's metadata
@@ -31,6 +32,8 @@
 #include "tandem/core/safetensors.hpp"
 #include "tandem/core/tensor.hpp"
 #include "tandem/front/detail/checkpoint_io.hpp"
+#include "tandem/kernels/adamw.hpp"
+#include "tandem/kernels/sgd.hpp"
 
 namespace tandem {
 
@@ -47,7 +50,8 @@ enum class Arrays {
 };
 
 /// The manifest of the checkpoint in `dir` (its step, the world size, policy and optimizer that saved it, the
-/// parameters' dtype, the tensors, the program's metadata), from manifest.json alone: no shard file is opened (so this
+/// optimizer options a load restores, unchecked, the parameters' dtype, the tensors, the program's metadata), from
+/// manifest.json alone: no shard file is opened (so this
 /// says nothing of them; verify_checkpoint reads them). Reads on this process, with no collective, so that a program
 /// can look at a checkpoint before it constructs the DataParallel that loads it (to train in the dtype it holds, or to
 /// refuse options that would not continue its run). Throws tandem::error where `dir` holds no checkpoint or its
@@ -56,10 +60,16 @@ TANDEM_COLD inline CheckpointManifest read_checkpoint_manifest(const std::string
   return detail::read_manifest(dir);
 }
 
-/// Checks the checkpoint in `dir` whole (every byte of every file is read); returns its manifest and size. Where a
+/// Checks the checkpoint in `dir` whole (every byte of every file is read, and the optimizer options recorded, of
+/// AdamW or SGD, as load_checkpoint checks them); returns its manifest and size. Where a
 /// save replaces the checkpoint meanwhile, it checks the new one (detail::read_while_saves_replace).
 TANDEM_COLD inline CheckpointSummary verify_checkpoint(const std::string& dir) {
   return detail::read_while_saves_replace(dir, "verify", [&](const CheckpointManifest& m) {
+    // the optimizer options, as a load checks them (the manifest has no checksum: its fingerprint covers them)
+    if (m.optimizer == std::string_view(AdamW::name))
+      (void)detail::recorded_groups<AdamW>(m, dir, m.state_count);
+    else if (m.optimizer == std::string_view(SGD::name))
+      (void)detail::recorded_groups<SGD>(m, dir, m.state_count);
     CheckpointSummary summary{m, 0};
     std::vector<unsigned char> chunk(detail::checkpoint_chunk_bytes);
     for (const CheckpointManifest::File& f : m.files) {

@@ -428,7 +428,11 @@ class DataParallel {
     }
     std::uint64_t given = detail::fnv1a_basis;  // this rank's metadata, which the ranks compare below
     if (problem.empty()) try {
-        check_groups("save_checkpoint");  // the options the checkpoint records, as the next step would take them
+        try {
+          check_groups("save_checkpoint");  // the options the checkpoint records, as the next step would take them
+        } catch (const error& e) {
+          detail::fail("tandem: save_checkpoint: " + detail::reason(e) + ". Nothing was saved");
+        }
         detail::check_checkpoint_metadata(metadata, "tandem: save_checkpoint: the metadata ");
         for (const auto& [key, value] : metadata)
           for (const std::string* text : {&key, &value}) {
@@ -556,7 +560,7 @@ class DataParallel {
       std::string problem;
       std::optional<CheckpointData> single;
       std::optional<detail::ShardedCheckpoint> sharded;
-      std::optional<SavedGroups> saved;  // the optimizer groups the checkpoint recorded
+      std::optional<detail::OptimizerGroups<Opt>> saved;  // the optimizer groups the checkpoint recorded
       std::uint64_t step = 0, content = 0;
       bool looked = false;  // this rank looked for the checkpoint (the checks of its own calls passed)
       try {
@@ -570,7 +574,7 @@ class DataParallel {
           content = detail::crc32c(text.data(), text.size());
           CheckpointManifest m = detail::parse_manifest(text, manifest);
           detail::check_manifest(m, path, layout_, Opt::name, state_.state_count(), pdtype_);
-          saved = saved_groups(m, path);
+          if constexpr (OptionsNamed<Opt>) saved = detail::recorded_groups<Opt>(m, path, state_.state_count());
           step = m.parameters_only ? 0 : m.step;
           sharded.emplace(path, std::move(m), layout_);
           // The files this rank will read, opened and checked now: a missing or damaged one changes nothing.
@@ -619,6 +623,9 @@ class DataParallel {
       } else {
         hook(detail::LoadPhase::copying);
         try {
+          // room for the recorded groups' options, allocated once every rank has read the checkpoint (a graph captured
+          // before reads the buffers it was captured with: StepControl keeps them)
+          if (saved) control_.reserve_groups(backend_, saved->groups.size());
           detail::restore_sharded<P>(backend_, plan_, layout_, rank_, state_, *sharded, detail::Restore::copy);
         } catch (const std::exception& e) {
           problem = detail::problem_of(e, "reading the checkpoint `" + path + "`");
@@ -663,7 +670,7 @@ class DataParallel {
       gathered_.forget();
       synced_ = true;
       damaged_.clear();
-      if (saved) {  // the options the checkpoint's steps were taken with (references to them stay valid where they can)
+      if (saved) {  // the options the checkpoint recorded (references to them stay valid where the count is the same)
         if (saved->groups.size() == groups_.size())
           std::copy(saved->groups.begin(), saved->groups.end(), groups_.begin());
         else
@@ -1990,62 +1997,8 @@ class DataParallel {
                    " (e.g. SGD momentum enabled later); construct with it enabled");
   }
 
-  /// The optimizer options' fingerprint: group 0's alone when there is one group (as checkpoints have always held),
-  /// else every group's and the assignment's.
-  std::uint64_t optimizer_fingerprint() const { return optimizer_fingerprint(groups_, group_of_); }
-  static std::uint64_t optimizer_fingerprint(const std::vector<OptimizerOptions>& groups,
-                                             const std::vector<std::size_t>& group_of) {
-    std::uint64_t h = Opt::fingerprint(groups[0]);
-    if (groups.size() == 1) return h;
-    for (std::size_t g = 1; g < groups.size(); ++g) {
-      const std::uint64_t f = Opt::fingerprint(groups[g]);
-      h = detail::fnv1a(&f, sizeof f, h);
-    }
-    for (std::size_t group : group_of) {
-      const std::uint64_t v = group;
-      h = detail::fnv1a(&v, sizeof v, h);
-    }
-    return h;
-  }
-
-  /// The optimizer groups a checkpoint's manifest recorded, as load_checkpoint restores them.
-  struct SavedGroups {
-    std::vector<OptimizerOptions> groups;
-    std::vector<std::size_t> group_of;
-  };
-
-  /// The optimizer groups manifest `m` of the checkpoint `path` recorded (none where it holds none), checked as
-  /// set_optimizer_groups checks its arguments (the assignment, parse_manifest) and against the manifest's optimizer
-  /// fingerprint, with room for them reserved; throws tandem::error otherwise.
-  std::optional<SavedGroups> saved_groups(const CheckpointManifest& m, const std::string& path) {
-    if constexpr (!OptionsNamed<Opt>) {
-      return std::nullopt;
-    } else {
-      if (m.parameters_only || m.optimizer_groups.empty()) return std::nullopt;
-      SavedGroups saved;
-      for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
-        const std::string where = "tandem: the checkpoint `" + path + "`, optimizer group " + std::to_string(g) + ", ";
-        const OptimizerOptions& options =
-            saved.groups.emplace_back(detail::options_from_values<Opt>(m.optimizer_groups[g], where));
-        try {
-          Opt::validate(options);
-        } catch (const error& e) {
-          const std::string why = e.what();
-          detail::fail(where + "holds invalid options: " + (why.starts_with("tandem: ") ? why.substr(8) : why));
-        }
-        if (Opt::state_count(options) > state_.state_count())
-          detail::fail(where + "holds options that need " + std::to_string(Opt::state_count(options)) +
-                       " state arrays; this DataParallel keeps " + std::to_string(state_.state_count()));
-      }
-      saved.group_of.assign(m.optimizer_group_of.begin(), m.optimizer_group_of.end());
-      if (optimizer_fingerprint(saved.groups, saved.group_of) != m.optimizer_fingerprint)
-        detail::fail("tandem: the checkpoint `" + path +
-                     "` holds optimizer options that do not give its optimizer_fingerprint: its manifest was edited "
-                     "or damaged");
-      control_.reserve_groups(backend_, saved.groups.size());
-      return saved;
-    }
-  }
+  /// The optimizer options' fingerprint (detail::groups_fingerprint, which checkpoints record).
+  std::uint64_t optimizer_fingerprint() const { return detail::groups_fingerprint<Opt>(groups_, group_of_); }
 
   template <class T>
   using Buffer = typename Backend::template Buffer<T>;

@@ -309,9 +309,9 @@ struct AnyOptionVisitor {
 }  // namespace detail
 
 /// An optimizer whose options have names: O::visit_options(options, f) calls f(name, member) for each option, in a
-/// fixed order, every member a float or an enumeration (SGD's Nesterov). Checkpoints record such options, and a load
-/// restores them; an optimizer without visit_options saves none, and a load leaves the program's. AdamW and SGD name
-/// theirs.
+/// fixed order, every member a float or an enumeration (SGD's Nesterov), and every option O::fingerprint covers (a load
+/// checks the recorded values against the recorded fingerprint). Checkpoints record such options, and a load restores
+/// them; an optimizer without visit_options saves none, and a load leaves the program's. AdamW and SGD name theirs.
 template <class O>
 concept OptionsNamed = Optimizer<O> && requires(typename O::Options& options, const typename O::Options& recorded) {
   O::visit_options(options, detail::AnyOptionVisitor{});   // to restore them

@@ -217,11 +217,9 @@ typename Opt::Options options_from_values(const OptimizerOptionValues& values, c
         fail(where + "gives the " + Opt::name + " option `" + name + "` " + json::number(at->second) +
              ", which is not one of its values");
       member = static_cast<T>(static_cast<U>(at->second));
-    } else {
-      if (!(std::fabs(at->second) <= static_cast<double>(std::numeric_limits<float>::max())))
-        fail(where + "gives the " + Opt::name + " option `" + name + "` " + json::number(at->second) +
-             ", beyond a float's range");
-      member = static_cast<float>(at->second);
+    } else if (!json::float_of(at->second, member)) {
+      fail(where + "gives the " + Opt::name + " option `" + name + "` " + json::number(at->second) +
+           ", beyond a float's range");
     }
   });
   if (found != values.size())
@@ -231,6 +229,59 @@ typename Opt::Options options_from_values(const OptimizerOptionValues& values, c
       if (!known) fail(where + "holds an option `" + name + "`, which " + Opt::name + " does not have");
     }
   return options;
+}
+
+/// The fingerprint of optimizer groups and their assignment (DataParallel's, which checkpoints record): group 0's
+/// alone where there is one group (as checkpoints have always held), else every group's and the assignment's.
+template <class Opt>
+std::uint64_t groups_fingerprint(const std::vector<typename Opt::Options>& groups,
+                                 const std::vector<std::size_t>& group_of) {
+  std::uint64_t h = Opt::fingerprint(groups[0]);
+  if (groups.size() == 1) return h;
+  for (std::size_t g = 1; g < groups.size(); ++g) {
+    const std::uint64_t f = Opt::fingerprint(groups[g]);
+    h = fnv1a(&f, sizeof f, h);
+  }
+  for (std::size_t group : group_of) {
+    const std::uint64_t v = group;
+    h = fnv1a(&v, sizeof v, h);
+  }
+  return h;
+}
+
+/// Optimizer groups and each tensor's group (empty: every tensor in group 0).
+template <class Opt>
+struct OptimizerGroups {
+  std::vector<typename Opt::Options> groups;
+  std::vector<std::size_t> group_of;
+};
+
+/// The optimizer groups manifest `m` of the checkpoint `path` recorded (none where it recorded none, or is
+/// parameters-only), each of Opt's options by name (options_from_values), valid (Opt::validate) and needing at most
+/// `state_count` state arrays, and together giving the manifest's optimizer fingerprint (the assignment parse_manifest
+/// checked); throws tandem::error otherwise.
+template <class Opt>
+std::optional<OptimizerGroups<Opt>> recorded_groups(const CheckpointManifest& m, const std::string& path,
+                                                    std::size_t state_count) {
+  if (m.parameters_only || m.optimizer_groups.empty()) return std::nullopt;
+  OptimizerGroups<Opt> recorded;
+  for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
+    const std::string where = "tandem: the checkpoint `" + path + "`, optimizer group " + std::to_string(g) + ", ";
+    const auto& options = recorded.groups.emplace_back(options_from_values<Opt>(m.optimizer_groups[g], where));
+    try {
+      Opt::validate(options);
+    } catch (const error& e) {
+      fail(where + "holds invalid options: " + reason(e));
+    }
+    if (Opt::state_count(options) > state_count)
+      fail(where + "holds options that need " + std::to_string(Opt::state_count(options)) + " state arrays; " +
+           std::to_string(state_count) + " are kept");
+  }
+  recorded.group_of.assign(m.optimizer_group_of.begin(), m.optimizer_group_of.end());
+  if (groups_fingerprint<Opt>(recorded.groups, recorded.group_of) != m.optimizer_fingerprint)
+    fail("tandem: the checkpoint `" + path +
+         "` holds optimizer options that do not give its optimizer_fingerprint: its manifest was edited or damaged");
+  return recorded;
 }
 
 /// What a checkpoint whose names clash is told to do.

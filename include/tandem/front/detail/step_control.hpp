@@ -61,11 +61,18 @@ class StepControl {
     set_step(backend, step, 0, s);
   }
 
-  /// Room for `groups` optimizer groups (set_optimizer_groups; nothing is allocated where there is room already).
+  /// Room for `groups` optimizer groups (set_optimizer_groups, load_checkpoint; nothing is allocated where there is
+  /// room already). The buffers it replaces are kept until destruction: a step captured before reads them still.
   void reserve_groups(const Backend& backend, std::size_t groups) {
     if (groups <= options_.size()) return;
-    options_ = allocate_named<Options>(backend, groups, "the optimizer groups' options");
-    scalars_ = allocate_named<Scalars>(backend, groups, "the optimizer groups' step scalars");
+    Buffer<Options> options = allocate_named<Options>(backend, groups, "the optimizer groups' options");
+    Buffer<Scalars> scalars = allocate_named<Scalars>(backend, groups, "the optimizer groups' step scalars");
+    if (options_.size() != 0) {
+      retired_options_.push_back(std::move(options_));
+      retired_scalars_.push_back(std::move(scalars_));
+    }
+    options_ = std::move(options);
+    scalars_ = std::move(scalars);
     stored_.clear();  // the new buffer holds none: the next step stores them
   }
 
@@ -156,6 +163,8 @@ class StepControl {
   Buffer<StepRecord> record_;
   Buffer<Options> options_;
   Buffer<Scalars> scalars_;
+  std::vector<Buffer<Options>> retired_options_;  ///< buffers reserve_groups replaced (a captured step's)
+  std::vector<Buffer<Scalars>> retired_scalars_;
   std::vector<Options> stored_;       ///< the options last stored into options_, in stream order (host memory)
   std::vector<double> stored_lanes_;  ///< the lanes last stored into lanes_ (none at one rank)
 };
