@@ -130,28 +130,22 @@ inline tandem::CheckpointMetadata run_record(const TrainConfig& cfg, const Task&
           {"--schedule-steps", std::to_string(cfg.schedule_steps > 0 ? cfg.schedule_steps : cfg.steps)}};
 }
 
-/// Throws std::invalid_argument unless this run (`now`, its run_record) continues the run that saved the checkpoint in
-/// `dir` (`saved`, its metadata). A checkpoint that records nothing passes: imported parameters, where a run starts
-/// rather than goes on.
-inline void check_continues(const tandem::CheckpointMetadata& saved, const tandem::CheckpointMetadata& now,
-                            const std::string& dir) {
-  if (saved.empty()) return;
-  std::string differs;
-  for (const auto& [key, value] : now)
-    if (const auto it = saved.find(key); it == saved.end() || it->second != value)
-      differs += "\n  " + key + ": " + (it == saved.end() ? "not recorded" : it->second) + " (this run: " + value + ")";
-  if (!differs.empty())
-    throw std::invalid_argument(
-        "--resume: the checkpoint in '" + dir + "' is of a run this one would not continue:" + differs +
-        "\ngive that run's options to continue it; to start a new run from its parameters, make them a checkpoint of "
-        "their own (tandem_checkpoint consolidate, then import) and resume from that");
-}
-
 /// Throws std::invalid_argument unless this run (`cfg`, `task`) can resume from a checkpoint that recorded `saved` (its
-/// metadata) at step `step`: it continues that checkpoint's run (check_continues) and trains past `step`.
+/// metadata) at step `step`: it continues that checkpoint's run (its run_record is `saved`; a checkpoint that records
+/// nothing passes: imported parameters, where a run starts rather than goes on) and trains past `step`.
 inline void check_resumable(const tandem::CheckpointMetadata& saved, std::uint64_t step, const TrainConfig& cfg,
                             const Task& task) {
-  check_continues(saved, run_record(cfg, task), cfg.resume_dir);
+  std::string differs;
+  if (!saved.empty())
+    for (const auto& [key, value] : run_record(cfg, task))
+      if (const auto it = saved.find(key); it == saved.end() || it->second != value)
+        differs +=
+            "\n  " + key + ": " + (it == saved.end() ? "not recorded" : it->second) + " (this run: " + value + ")";
+  if (!differs.empty())
+    throw std::invalid_argument(
+        "--resume: the checkpoint in '" + cfg.resume_dir + "' is of a run this one would not continue:" + differs +
+        "\ngive that run's options to continue it; to start a new run from its parameters, make them a checkpoint of "
+        "their own (tandem_checkpoint consolidate, then import) and resume from that");
   if (step >= std::uint64_t(cfg.steps))
     throw std::invalid_argument("--resume: the checkpoint in '" + cfg.resume_dir + "' is at step " +
                                 std::to_string(step) + ", which --steps " + std::to_string(cfg.steps) +
