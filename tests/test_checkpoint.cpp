@@ -236,6 +236,18 @@ TEST_CASE("a load restores the optimizer options and groups of the save; an edit
   CHECK(manifest.find("\"optimizer_groups\": [{\"lr\": 0.002, \"beta1\": 0.9, \"beta2\": 0.999, \"eps\": 1e-08, "
                       "\"weight_decay\": 0.05}, {\"lr\": 0.001, \"beta1\": 0.9, \"beta2\": 0.999, \"eps\": 1e-08, "
                       "\"weight_decay\": 0}]") != std::string::npos);
+  {  // a consolidated file carries them, as the manifest holds them
+    const std::string out = path + ".safetensors";
+    tandem::consolidate_checkpoint(path, out, tandem::Arrays::all);
+    const tandem::SafetensorsFile file(out);
+    const std::string* groups = file.metadata("tandem_optimizer_groups");
+    const std::string* group_of = file.metadata("tandem_optimizer_group_of");
+    REQUIRE((groups != nullptr && group_of != nullptr));
+    CHECK(manifest.find("\"optimizer_groups\": " + *groups + ",\n") != std::string::npos);
+    CHECK(manifest.find("\"optimizer_group_of\": " + *group_of + ",\n") != std::string::npos);
+    CHECK(*group_of == "[0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]");
+    std::filesystem::remove(out);
+  }
   // Loads the checkpoint with its manifest edited (`from` replaced by `to`) at 2 ranks, whose lr is 1 before; returns
   // each rank's error ("" where it loaded), then verify_checkpoint's, and checks that a failed load changed nothing,
   // and what a load of a manifest without options keeps.
@@ -342,6 +354,14 @@ TEST_CASE("a load restores the optimizer options and groups of the save; an edit
     test::DataParallel<tandem::Replicated, tandem::SGD> b(comm, model.tensors(), {.momentum = 0.5f});
     b.load_checkpoint(path);
     CHECK(std::memcmp(&b.optimizer_options(), &saved, sizeof saved) == 0);
+    // options that need more state than was built, refused by the save as the next step would refuse them
+    test::DataParallel<tandem::Replicated, tandem::SGD> c(comm, model.tensors());
+    c.broadcast_parameters();
+    c.optimizer_options().momentum = 0.9f;
+    CHECK_THROWS_WITH_AS(c.save_checkpoint(path),
+                         doctest::Contains("tandem: save_checkpoint: the SGD options need 1 state buffers but "
+                                           "DataParallel was constructed with 0"),
+                         tandem::error);
   });
   std::filesystem::remove_all(path);
 }

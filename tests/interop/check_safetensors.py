@@ -7,8 +7,8 @@
 DIR is a checkpoint directory (fp32 parameters: NumPy has no bfloat16), CONSOLIDATED the file
 `tandem_checkpoint consolidate DIR CONSOLIDATED --all` wrote. Every shard and the consolidated file must load with
 safetensors.numpy.load_file; the consolidated file must hold every tensor of every array (parameters, master weights,
-optimizer state) whole, with the manifest's names and sizes; and the shards' slices must be exactly the consolidated
-tensors' elements, each element in one slice. Exit 77 (ctest: skipped) where safetensors or NumPy is not installed.
+optimizer state) whole, with the manifest's names and sizes, and the manifest's optimizer options in its metadata; and
+the shards' slices must be exactly the consolidated tensors' elements, each element in one slice. Exit 77 (ctest: skipped) where safetensors or NumPy is not installed.
 """
 import json
 import os
@@ -38,6 +38,16 @@ for t in manifest["tensors"]:
     for p in prefixes:
         if whole[p + t["name"]].shape != (t["numel"],) or whole[p + t["name"]].dtype != np.float32:
             sys.exit(f"{p + t['name']}: shape {whole[p + t['name']].shape}, dtype {whole[p + t['name']].dtype}")
+
+# the optimizer options a load restores, in the file's metadata as in the manifest
+with safetensors.safe_open(consolidated, "np") as f:
+    metadata = f.metadata()
+for key in ("optimizer_groups", "optimizer_group_of"):
+    recorded = metadata.get("tandem_" + key)
+    if (json.loads(recorded) if recorded is not None else None) != manifest.get(key):
+        sys.exit(f"the consolidated file's tandem_{key} is {recorded}; the manifest's {manifest.get(key)}")
+if "optimizer_groups" not in manifest:
+    sys.exit("the manifest records no optimizer options")
 
 covered = {k: np.zeros(v.shape, dtype=bool) for k, v in whole.items()}
 slice_name = re.compile(r"^(.*?)(?:\[(\d+):(\d+)\])?$")

@@ -109,6 +109,25 @@ TANDEM_COLD inline void check_checkpoint_metadata(const CheckpointMetadata& meta
          std::to_string(checkpoint_max_metadata_bytes) + " (records, not state: keep state in tensors)");
 }
 
+/// Optimizer groups' options as JSON, as the manifest's "optimizer_groups" holds them: [{"lr": 0.001, ...}, ...].
+inline std::string optimizer_groups_json(const std::vector<OptimizerOptionValues>& groups) {
+  std::string s = "[";
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    s += g == 0 ? "{" : ", {";
+    for (std::size_t k = 0; k < groups[g].size(); ++k)
+      s += (k == 0 ? "" : ", ") + json::quote(groups[g][k].first) + ": " + json::number(groups[g][k].second);
+    s += "}";
+  }
+  return s + "]";
+}
+
+/// Each tensor's optimizer group as JSON, as the manifest's "optimizer_group_of" holds it: [0, 1, ...].
+inline std::string group_of_json(const std::vector<std::uint32_t>& group_of) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < group_of.size(); ++i) s += (i == 0 ? "" : ", ") + std::to_string(group_of[i]);
+  return s + "]";
+}
+
 /// The manifest as JSON (one tensor and one file per line).
 inline std::string manifest_json(const CheckpointManifest& m) {
   using json::quote;
@@ -121,23 +140,8 @@ inline std::string manifest_json(const CheckpointManifest& m) {
                   "\", \"bucket_cap_bytes\": " + std::to_string(m.bucket_cap_bytes) +
                   ", \"first_bucket_cap_bytes\": " + std::to_string(m.first_bucket_cap_bytes) +
                   ", \"parameters_only\": " + (m.parameters_only ? "true" : "false");
-  if (!m.optimizer_groups.empty()) {
-    s += ",\n \"optimizer_groups\": [";
-    for (std::size_t g = 0; g < m.optimizer_groups.size(); ++g) {
-      s += g == 0 ? "{" : ", {";
-      for (std::size_t k = 0; k < m.optimizer_groups[g].size(); ++k)
-        s += (k == 0 ? "" : ", ") + quote(m.optimizer_groups[g][k].first) + ": " +
-             json::number(m.optimizer_groups[g][k].second);
-      s += "}";
-    }
-    s += "]";
-  }
-  if (!m.optimizer_group_of.empty()) {
-    s += ",\n \"optimizer_group_of\": [";
-    for (std::size_t i = 0; i < m.optimizer_group_of.size(); ++i)
-      s += (i == 0 ? "" : ", ") + std::to_string(m.optimizer_group_of[i]);
-    s += "]";
-  }
+  if (!m.optimizer_groups.empty()) s += ",\n \"optimizer_groups\": " + optimizer_groups_json(m.optimizer_groups);
+  if (!m.optimizer_group_of.empty()) s += ",\n \"optimizer_group_of\": " + group_of_json(m.optimizer_group_of);
   s += ",\n \"metadata\": {";
   for (auto it = m.metadata.begin(); it != m.metadata.end(); ++it)
     s += (it == m.metadata.begin() ? "" : ", ") + quote(it->first) + ": " + quote(it->second);

@@ -6,8 +6,8 @@
 //                                              the optimizer options recorded (AdamW's, SGD's) as a load checks them
 //   consolidate_checkpoint(dir, out, arrays)   the parameters as whole tensors in one safetensors file (with
 //                                              Arrays::all also "master/<name>" and "state<k>/<name>"), for inference,
-//                                              PyTorch or anything else that reads safetensors; the program's metadata
-//                                              in the file's, as "metadata/<key>"
+//                                              PyTorch or anything else that reads safetensors; the optimizer's
+//                                              options and the program's metadata in the file's ("metadata/<key>")
 //   import_parameters(in, dir[, existing])     a safetensors file as a parameters-only checkpoint, which
 //                                              DataParallel::load_checkpoint takes as the initial parameters (a
 //                                              training run's checkpoint in dir is kept unless told to replace it)
@@ -174,8 +174,10 @@ TANDEM_COLD inline void check_not_all_arrays(const SafetensorsFile& file, const 
 }  // namespace detail
 
 /// Writes the checkpoint in `dir` to the safetensors file `out` (atomically), every tensor whole and 1-D, each array
-/// checked against its checksums as it is read; the file's metadata records the step, the policy, the optimizer and
-/// the program's metadata ("metadata/<key>"). Returns the number of bytes written. `out` may not lie inside `dir`.
+/// checked against its checksums as it is read; the file's metadata records the step, the policy, the optimizer, its
+/// options as the manifest holds them (JSON: "tandem_optimizer_groups" and, with more than one group,
+/// "tandem_optimizer_group_of", each tensor's group in the order of the file's tensors) and the program's metadata
+/// ("metadata/<key>"). Returns the number of bytes written. `out` may not lie inside `dir`.
 /// Where a save replaces the checkpoint meanwhile, it writes the new one (detail::read_while_saves_replace).
 TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, const std::string& out,
                                                         Arrays which = Arrays::parameters) {
@@ -187,6 +189,10 @@ TANDEM_COLD inline std::uint64_t consolidate_checkpoint(const std::string& dir, 
                                                                  {detail::safetensors_step_key, std::to_string(m.step)},
                                                                  {"tandem_policy", m.policy},
                                                                  {"tandem_optimizer", m.optimizer}};
+    if (!m.optimizer_groups.empty())  // the options a load would restore, as the manifest holds them (JSON)
+      metadata.emplace_back("tandem_optimizer_groups", detail::optimizer_groups_json(m.optimizer_groups));
+    if (!m.optimizer_group_of.empty())
+      metadata.emplace_back("tandem_optimizer_group_of", detail::group_of_json(m.optimizer_group_of));
     for (const auto& [key, value] : m.metadata)
       metadata.emplace_back(std::string(detail::shard_metadata_prefix) + key, value);
     // The output's failures are not the checkpoint's: a save meanwhile is no reason to write it again.

@@ -431,7 +431,9 @@ class DataParallel {
         try {
           check_groups("save_checkpoint");  // the options the checkpoint records, as the next step would take them
         } catch (const error& e) {
-          detail::fail("tandem: save_checkpoint: " + detail::reason(e) + ". Nothing was saved");
+          const std::string why = detail::reason(e);  // (the state-count message names save_checkpoint already)
+          detail::fail("tandem: " + (why.starts_with("save_checkpoint: ") ? why : "save_checkpoint: " + why) +
+                       ". Nothing was saved");
         }
         detail::check_checkpoint_metadata(metadata, "tandem: save_checkpoint: the metadata ");
         for (const auto& [key, value] : metadata)

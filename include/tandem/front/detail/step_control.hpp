@@ -68,6 +68,8 @@ class StepControl {
     Buffer<Options> options = allocate_named<Options>(backend, groups, "the optimizer groups' options");
     Buffer<Scalars> scalars = allocate_named<Scalars>(backend, groups, "the optimizer groups' step scalars");
     if (options_.size() != 0) {
+      retired_options_.reserve(retired_options_.size() + 1);  // (nothing is moved until nothing can throw)
+      retired_scalars_.reserve(retired_scalars_.size() + 1);
       retired_options_.push_back(std::move(options_));
       retired_scalars_.push_back(std::move(scalars_));
     }
