@@ -503,7 +503,8 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
   // One rank without clipping: step() makes no host read (docs/cuda.md, "Step scalars"); and with clipping and the
   // non-finite check, whose step reads nothing under StepReport::deferred (the eager run reports at each step). The
   // backward is captured with it, so each replay is a whole training step; each must use its own step count's bias
-  // corrections and clip coefficient, and the lr of a schedule stored before it (store_optimizer_options).
+  // corrections and clip coefficient, and the lr of a schedule stored before it (store_optimizer_options). After
+  // set_optimizer_groups changes the groups, a replay updates nothing and last_step() says so.
   constexpr std::size_t n = 70001;
   constexpr int steps = 6;
   auto lr = [](int s) { return 1e-2f / static_cast<float>(1 + s); };
@@ -538,14 +539,14 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
             dp.step();
           };
           optimizer_step();  // a warm-up step first, as usual before a capture
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
           if (!captured) {
             for (int s = 1; s < steps; ++s) {
               dp.optimizer_options().lr = lr(s);
               optimizer_step();
             }
           } else {
-            cudaGraph_t graph = nullptr;
-            cudaGraphExec_t exec = nullptr;
             dp.optimizer_options().lr = lr(1);
             dp.store_optimizer_options();  // before the capture: the captured step stores nothing
             TANDEM_CUDA_CHECK(cudaStreamBeginCapture(user, cudaStreamCaptureModeThreadLocal));
@@ -558,8 +559,6 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
               TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
             }
             TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
-            TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-            TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
           }
           const tandem::StepResult last = dp.last_step();  // the device's count, replays included
           CHECK(last.updated);
@@ -570,6 +569,19 @@ TEST_CASE_TEMPLATE("a step() captured in a CUDA graph and replayed gives the bit
             CHECK(last.clip_coefficient == 1.0f);
           TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
           w.download(out.data(), n);
+          if (captured) {
+            const tandem::AdamWOptions options = dp.optimizer_options();
+            dp.set_optimizer_groups({options, options}, {1});
+            TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, user));
+            TANDEM_CUDA_CHECK(cudaStreamSynchronize(user));
+            std::vector<float> after(n);
+            w.download(after.data(), n);
+            CHECK(std::memcmp(after.data(), out.data(), n * sizeof(float)) == 0);
+            CHECK_THROWS_WITH_AS(dp.last_step(), doctest::Contains("1 replay(s) of a step captured before"),
+                                 tandem::error);
+            TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+          }
         }
         TANDEM_CUDA_CHECK(cudaStreamDestroy(user));
       });

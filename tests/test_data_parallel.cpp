@@ -604,7 +604,8 @@ TEST_CASE_TEMPLATE("replays of a captured step after a load read the options the
   // with lr 1e-2, then loads the checkpoint and replays: the load stores the restored options as
   // store_optimizer_options() does, so the replays give the eager run's bits (with the capture's lr, other bits).
   // Then a load of a checkpoint of more groups than there is room for: the options' buffers are replaced, and those
-  // the graph reads stay (AddressSanitizer finds a read of freed memory otherwise), so it still replays.
+  // the graph reads stay (AddressSanitizer finds a read of freed memory otherwise), so it still replays; but its
+  // launches are of the groups before, so the replay updates nothing and last_step() says so.
   constexpr std::size_t n = 3000;
   constexpr int steps = 5;
   const std::string dir = test::temp_path("restored_options"), groups_dir = test::temp_path("three_groups");
@@ -643,8 +644,11 @@ TEST_CASE_TEMPLATE("replays of a captured step after a load read the options the
         trained = problem.w;
         dp.load_checkpoint(groups_dir);
         CHECK(dp.optimizer_group_count() == 3);
+        const std::vector<float> loaded = problem.w;
         graph.replay();
         user.synchronize();
+        CHECK(std::memcmp(loaded.data(), problem.w.data(), n * sizeof(float)) == 0);
+        CHECK_THROWS_WITH_AS(dp.last_step(), doctest::Contains("1 replay(s) of a step captured before"), tandem::error);
       }
     });
     return trained;
@@ -653,6 +657,97 @@ TEST_CASE_TEMPLATE("replays of a captured step after a load read the options the
   CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(groups_dir);
+}
+
+TEST_CASE_TEMPLATE(
+    "replays of a step captured before the optimizer groups' count or assignment changed update nothing, and the next "
+    "report says so; captured again, the step replays to the bits of eager steps",
+    Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // Two tensors, one group at first. The eager run steps 3 times, takes two groups ({0, 1}) for 2 steps, then the
+  // same groups assigned the other way ({1, 0}) for 2 steps. The captured run replays its step 2 times; after each
+  // change its replays of the step captured before leave the parameters, the optimizer state and the step count as
+  // they are (the later steps' bits show it: a step taken would change them), a save and last_step() throw, and a step
+  // captured anew continues as the eager run. set_optimizer_groups with the same count and assignment keeps the
+  // captured step: its replays go on. Two ranks step under StepReport::deferred (a step that reads cannot be captured),
+  // and both throw alike.
+  constexpr std::size_t n = 3000, half = n / 2;
+  auto train = [&](int world, bool captured) {
+    std::vector<float> trained;
+    const std::string dir = test::temp_path("regrouped_capture");
+    tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
+      QuadraticProblem problem(n);
+      tandem::HostStream user;
+      tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
+          comm,
+          {{"a", problem.w.data(), problem.g.data(), half},
+           {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
+          {.lr = 1e-2f},
+          {.bucket_cap_bytes = 4096,
+           .step_report = world > 1 ? tandem::StepReport::deferred : tandem::StepReport::at_step,
+           .stream = user.stream()});
+      dp.broadcast_parameters();
+      const tandem::StreamHostBackend launcher;
+      auto optimizer_step = [&] {
+        launcher.launch(1, problem.gradient(), user.stream());
+        dp.step();
+      };
+      auto capture = [&] {
+        user.begin_capture();
+        optimizer_step();
+        return user.end_capture();
+      };
+      tandem::AdamWOptions other = dp.optimizer_options();
+      other.lr = 5e-3f;
+      other.weight_decay = 0.0f;
+      const std::vector<tandem::AdamWOptions> groups{dp.optimizer_options(), other};
+      // replays of `graph` after a change of groups: nothing moves, and `report` throws for them, saying how many
+      auto refused = [&](const tandem::HostGraph& graph, int replays, auto report) {
+        const std::vector<float> before = problem.w;
+        const std::uint64_t count = dp.last_step().step;
+        for (int k = 0; k < replays; ++k) graph.replay();
+        user.synchronize();
+        CHECK(std::memcmp(before.data(), problem.w.data(), n * sizeof(float)) == 0);
+        const std::string says =
+            std::to_string(replays) + " replay(s) of a step captured before the optimizer groups changed";
+        CHECK_THROWS_WITH_AS(report(), doctest::Contains(says.c_str()), tandem::error);
+        CHECK(dp.last_step().step == count);  // reported once
+      };
+      optimizer_step();
+      if (!captured) {
+        for (int s = 0; s < 2; ++s) optimizer_step();
+        dp.set_optimizer_groups(groups, {0, 1});
+        for (int s = 0; s < 2; ++s) optimizer_step();
+        dp.set_optimizer_groups(groups, {1, 0});
+        for (int s = 0; s < 2; ++s) optimizer_step();
+      } else {
+        const tandem::HostGraph one_group = capture();
+        for (int s = 0; s < 2; ++s) one_group.replay();
+        dp.set_optimizer_groups(groups, {0, 1});  // another count
+        refused(one_group, 3, [&] { dp.save_checkpoint(dir); });
+        CHECK(!std::filesystem::exists(dir));
+        const tandem::HostGraph two_groups = capture();
+        for (int s = 0; s < 2; ++s) two_groups.replay();
+        dp.set_optimizer_groups(groups, {1, 0});  // the same count, another assignment
+        refused(two_groups, 1, [&] { dp.last_step(); });
+        refused(one_group, 2, [&] { dp.last_step(); });
+        const tandem::HostGraph swapped = capture();
+        swapped.replay();
+        dp.set_optimizer_groups(groups, {1, 0});  // the same groups: the captured step stays good
+        swapped.replay();
+        user.synchronize();
+        CHECK(dp.last_step().step == 7);
+      }
+      user.synchronize();
+      if (comm.rank() == 0) trained = problem.w;
+    });
+    std::filesystem::remove_all(dir);
+    return trained;
+  };
+  for (const int world : {1, 2}) {
+    CAPTURE(world);
+    const std::vector<float> eager = train(world, false), replayed = train(world, true);
+    CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
+  }
 }
 
 TEST_CASE_TEMPLATE(

@@ -371,6 +371,35 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   CHECK(lanes_read() == other);
   CHECK_THROWS_WITH_AS(control.store_options(be, groups, std::span<const double>(lanes.data(), 3), s),
                        doctest::Contains("4 lanes"), tandem::error);
+
+  // A step prepared in a capture, then the groups regrouped: its replays do not update and are counted; a step
+  // prepared after updates, and replays before a regroup update (the capture's grouping is the one in use).
+  tandem::HostStream user;
+  const tandem::Stream u = user.stream();
+  user.begin_capture();
+  control.prepare(be, groups.size(), {}, u);
+  const tandem::HostGraph graph = user.end_capture();
+  const std::uint64_t taken = control.record(be, u).step;
+  graph.replay();
+  CHECK(control.record(be, u).verdict == tandem::detail::StepVerdict::update);
+  CHECK(control.record(be, u).step == taken + 1);
+  control.regroup(be, u);
+  for (std::uint64_t k = 1; k <= 2; ++k) {
+    graph.replay();
+    record = control.record(be, u);
+    CHECK(record.verdict == tandem::detail::StepVerdict::regrouped);
+    CHECK(record.step == taken + 1);
+    CHECK(record.regrouped_steps == k);
+    be.read(&skip, control.skip(), sizeof skip, u);
+    CHECK(skip == 1);
+  }
+  control.prepare(be, groups.size(), {}, u);
+  record = control.record(be, u);
+  CHECK(record.verdict == tandem::detail::StepVerdict::update);
+  CHECK(record.step == taken + 2);
+  CHECK(record.regrouped_steps == 2);
+  control.set_step(be, 4, 0, u);  // a load keeps the tally, as the others
+  CHECK(control.record(be, u).regrouped_steps == 2);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

@@ -254,6 +254,45 @@ TEST_CASE("PrepareStepBody: the step count advances, each group's scalars, and t
   tandem::detail::PrepareStepBody<tandem::AdamW>{
       &step, &scale, groups.data(), scalars.data(), 2, {.average = 1.0f, .lanes = differ.data(), .world = 3}}(0, 0, 1);
   CHECK(step == 48);
+
+  // A launch made for another grouping than the one in use (a replay of a step captured before the groups changed)
+  // does not update, before any other check, and is counted in the third tally; the grouping it was made for updates.
+  std::array<std::uint64_t, 3> tallies{5, 6, 7};
+  const std::uint64_t in_use = 3;
+  auto launch = [&](std::uint64_t made_for, const tandem::detail::StepChecks& checks) {
+    tandem::detail::PrepareStepBody<tandem::AdamW>{.step = &step,
+                                                   .grad_scale = &scale,
+                                                   .options = groups.data(),
+                                                   .scalars = scalars.data(),
+                                                   .groups = 2,
+                                                   .checks = checks,
+                                                   .skip = &skip,
+                                                   .record = &record,
+                                                   .tallies = tallies.data(),
+                                                   .grouping = &in_use,
+                                                   .launched_grouping = made_for}(0, 0, 1);
+  };
+  scale = -1.0f;
+  const std::array<tandem::AdamW::Scalars, 2> kept = scalars;
+  for (const std::uint64_t made_for : {std::uint64_t{2}, std::uint64_t{4}}) {
+    launch(made_for,
+           {.sum_of_squares = &nan, .average = 1.0f, .lanes = differ.data(), .world = 3, .skip_non_finite = true});
+    CHECK(step == 48);
+    CHECK(skip == 1);
+    CHECK(scale == -1.0f);
+    CHECK(std::memcmp(scalars.data(), kept.data(), sizeof kept) == 0);
+    CHECK(record.verdict == StepVerdict::regrouped);
+    CHECK(record.step == 48);
+  }
+  CHECK(tallies == std::array<std::uint64_t, 3>{5, 6, 9});
+  CHECK(record.non_finite_steps == 5);
+  CHECK(record.refused_steps == 6);
+  CHECK(record.regrouped_steps == 9);
+  launch(in_use, {.average = 1.0f, .lanes = same.data(), .world = 3});
+  CHECK(step == 49);
+  CHECK(skip == 0);
+  CHECK(record.verdict == StepVerdict::update);
+  CHECK(tallies == std::array<std::uint64_t, 3>{5, 6, 9});
 }
 
 TEST_CASE_TEMPLATE("update bodies leave every array as it is where the skip word is set", Opt, tandem::AdamW,

@@ -194,7 +194,10 @@ TEST_CASE("optimizer groups: optimizer_options(g) changes one group between step
     dp.optimizer_options(1).weight_decay = 0.1f;
     CHECK(dp.optimizer_options(1).weight_decay == 0.1f);
     dp.optimizer_options(1).lr = -1.0f;
-    CHECK(test::message_of([&] { dp.step(); }).find("lr is -1") != std::string::npos);
+    CHECK(test::message_of([&] { dp.step(); }) ==
+          "tandem: step(): AdamWOptions::lr is -1; it must be finite and >= 0 (optimizer group 1)");
+    CHECK(test::message_of([&] { dp.store_optimizer_options(); }) ==
+          "tandem: store_optimizer_options(): AdamWOptions::lr is -1; it must be finite and >= 0 (optimizer group 1)");
     CHECK(test::message_of([&] { dp.optimizer_options(2); }) ==
           "tandem: optimizer_options(2): there are 2 optimizer groups (set_optimizer_groups)");
   });
@@ -226,11 +229,15 @@ TEST_CASE("optimizer groups: wrong arguments and disagreeing ranks throw on ever
       {with_dp([&](auto&, auto& dp) {
          dp.set_optimizer_groups({{.lr = 0.1f}, {.lr = -2.0f}}, two);
        }),
-       "(optimizer group 1)"},
+       "tandem: set_optimizer_groups: SGDOptions::lr is -2; it must be finite and >= 0 (optimizer group 1)"},
+      {with_dp([&](auto&, auto& dp) {  // of two new groups, group 0 is named too
+         dp.set_optimizer_groups({{.lr = -2.0f}, {.lr = 0.1f}}, two);
+       }),
+       "tandem: set_optimizer_groups: SGDOptions::lr is -2; it must be finite and >= 0 (optimizer group 0)"},
       {with_dp([&](auto&, auto& dp) {
          dp.set_optimizer_groups({{.lr = 0.1f}, {.lr = 0.1f, .momentum = 0.9f}}, two);
        }),
-       "of optimizer group 1 need 1 state buffers"},
+       "tandem: set_optimizer_groups: the SGD options of optimizer group 1 need 1 state buffers"},
       // One rank's arguments are wrong: every rank throws that rank's message.
       {with_dp([&](auto& comm, auto& dp) {
          dp.set_optimizer_groups({{.lr = 0.1f}}, std::vector<std::size_t>(comm.rank() == 1 ? 0 : specs.size(), 0));

@@ -65,6 +65,7 @@ void tandem_instantiate_bodies() {
   instantiate_for<tandem::Float16>();
   run_body<<<1, tandem::block_threads>>>(tandem::OrderedSumBody{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::StoreValuesBody<double, 4>{}, 1);
+  run_body<<<1, tandem::block_threads>>>(tandem::StoreValuesBody<std::uint64_t, 1>{}, 1);  // the grouping
   run_body<<<1, tandem::block_threads>>>(tandem::detail::PrepareStepBody<tandem::AdamW>{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::detail::PrepareStepBody<tandem::SGD>{}, 1);
   run_body<<<1, tandem::block_threads>>>(tandem::detail::SetStepBody{}, 1);

@@ -431,9 +431,7 @@ class DataParallel {
         try {
           check_groups("save_checkpoint");  // the options the checkpoint records, as the next step would take them
         } catch (const error& e) {
-          const std::string why = detail::reason(e);  // (the state-count message names save_checkpoint already)
-          detail::fail("tandem: " + (why.starts_with("save_checkpoint: ") ? why : "save_checkpoint: " + why) +
-                       ". Nothing was saved");
+          detail::fail(std::string(e.what()) + ". Nothing was saved");
         }
         detail::check_checkpoint_metadata(metadata, "tandem: save_checkpoint: the metadata ");
         for (const auto& [key, value] : metadata)
@@ -673,12 +671,13 @@ class DataParallel {
       synced_ = true;
       damaged_.clear();
       if (saved) {  // the options the checkpoint recorded (references to them stay valid where the count is the same)
-        if (saved->groups.size() == groups_.size())
+        const std::size_t count = groups_.size();
+        const std::vector<std::size_t> group_of = std::exchange(group_of_, std::move(saved->group_of));
+        if (saved->groups.size() == count)
           std::copy(saved->groups.begin(), saved->groups.end(), groups_.begin());
         else
           groups_ = std::move(saved->groups);
-        group_of_ = std::move(saved->group_of);
-        build_segments();
+        regroup(scope, count, group_of);
         store_options(Store::always);  // for replays of a captured step, as store_optimizer_options()
       }
       for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
@@ -906,10 +905,10 @@ class DataParallel {
   /// the device's record after everything the user's stream and tandem's work stream hold so far (a host wait, which
   /// includes replays of a captured step), and step_count() and skipped_steps() follow it. Throws tandem::error for the
   /// optimizer steps refused since this rank's last report (NonFinite::throw_error, optimizer options that differ
-  /// between ranks). Not collective: every rank's device made the same verdicts, so the ranks that ask throw alike, but
-  /// only they do; all_ranks_have_batch() and save_checkpoint() throw on every rank for the refusals they have not
-  /// reported together, whichever ranks called last_step() since. Before the first optimizer step, and after a load,
-  /// `updated` and `skipped` are false.
+  /// between ranks, replays of a step captured before the optimizer groups changed). Not collective: every rank's
+  /// device made the same verdicts, so the ranks that ask throw alike, but only they do; all_ranks_have_batch() and
+  /// save_checkpoint() throw on every rank for the refusals they have not reported together, whichever ranks called
+  /// last_step() since. Before the first optimizer step, and after a load, `updated` and `skipped` are false.
   StepResult last_step() {
     check_live("last_step()");
     return report_latest("last_step()", Reach::rank);
@@ -1089,7 +1088,8 @@ class DataParallel {
   /// with the same groups and assignment, between steps (it applies from the next update, also inside an
   /// accumulation window); the state buffers are those of construction, so no group may need more (construct with
   /// the most demanding options). Throws tandem::error on every rank if any rank's arguments are wrong or the ranks
-  /// disagree; the groups are then unchanged.
+  /// disagree; the groups are then unchanged. A new count or assignment changes a step's launches: a step captured
+  /// before updates nothing when replayed, and the next report throws; capture it again (docs/cuda.md).
   ///
   ///   auto no_decay = dp.optimizer_options();
   ///   no_decay.weight_decay = 0;
@@ -1108,7 +1108,7 @@ class DataParallel {
         if (group_of[i] >= groups.size())
           detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
                        std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
-      for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, "set_optimizer_groups");
+      for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, groups.size(), "set_optimizer_groups");
       control_.reserve_groups(backend_, groups.size());  // room for the groups' scalars; every rank learns a failure
     } catch (const std::exception& e) {
       problem = e.what();
@@ -1125,7 +1125,9 @@ class DataParallel {
         detail::fail("tandem: set_optimizer_groups: ranks 0 and " + std::to_string(r) +
                      " passed different groups or assignments; every rank must pass the same");
       }
-    build_segments();
+    StreamScope scope(*this, Exit::leave);
+    regroup(scope, groups.size(), group_of);  // (they hold the groups before)
+    scope.leave();
   }
   const DataParallelOptions& options() const { return options_; }
 
@@ -1856,6 +1858,7 @@ class DataParallel {
     const detail::StepRecord& since = reach == Reach::every_rank ? reported_together_ : reported_;
     const std::uint64_t refused = r.refused_steps - since.refused_steps;
     const std::uint64_t non_finite = r.non_finite_steps - since.non_finite_steps;
+    const std::uint64_t regrouped = r.regrouped_steps - since.regrouped_steps;
     reported_ = r;
     if (reach == Reach::every_rank) reported_together_ = r;
     step_ = r.step;
@@ -1871,6 +1874,13 @@ class DataParallel {
     };
     const std::string dropped = late ? "nothing was updated at them and their windows' gradients were dropped"
                                      : "nothing was updated and the window's gradients were dropped";
+    // (a step that reads cannot be captured, so step()'s own report finds none of these: only replays are regrouped)
+    if (regrouped > 0)
+      detail::fail("tandem: " + std::string(what) + ": " + std::to_string(regrouped) +
+                   " replay(s) of a step captured before the optimizer groups changed updated nothing: "
+                   "set_optimizer_groups or load_checkpoint changed their count or assignment since the capture, and "
+                   "the captured launches are those of the groups before (the step count is now " +
+                   std::to_string(r.step) + "); capture the step again after such a change (docs/cuda.md)");
     if (refused > 0)
       detail::fail("tandem: " + std::string(what) + ": the ranks' optimizer options differ at " + where(refused) +
                    " (changed through optimizer_options() on some ranks only?); " + dropped +
@@ -1978,24 +1988,36 @@ class DataParallel {
     }
   }
 
-  /// Throws tandem::error if group g's options are invalid or need more state buffers than were allocated.
-  /// Every group's options as they are now (they may have been changed through optimizer_options()).
-  void check_groups(const std::string& what) const {
-    for (std::size_t g = 0; g < groups_.size(); ++g) check_group(groups_[g], g, what);
+  /// After groups_ and group_of_ replaced `count` groups and the assignment `group_of` (set_optimizer_groups,
+  /// load_checkpoint): the updates' segments and, where the count or the assignment changed, a new grouping in the
+  /// order of the user's stream (StepControl::regroup): replays of a step captured before then update nothing, and the
+  /// next report throws (docs/cuda.md, "Capturing a step"). The same count and assignment keep the captured launches.
+  void regroup(const StreamScope&, std::size_t count, const std::vector<std::size_t>& group_of) {
+    build_segments();
+    const auto group = [](const std::vector<std::size_t>& of, std::size_t t) { return of.empty() ? 0 : of[t]; };
+    bool same = count == groups_.size();
+    for (std::size_t t = 0; same && t < layout_.size(); ++t) same = group(group_of, t) == group(group_of_, t);
+    if (!same) control_.regroup(backend_, work_stream());
   }
 
-  void check_group(const OptimizerOptions& options, std::size_t g, const std::string& what) const {
+  /// check_group() of every group's options as they are now (they may have been changed through optimizer_options()).
+  void check_groups(const std::string& what) const {
+    for (std::size_t g = 0; g < groups_.size(); ++g) check_group(groups_[g], g, groups_.size(), what);
+  }
+
+  /// Throws tandem::error, its message naming the caller `what` and, of more than one, the group, if `options` (group g
+  /// of `count`) are invalid (Opt::validate) or need more state buffers than were allocated.
+  void check_group(const OptimizerOptions& options, std::size_t g, std::size_t count, const std::string& what) const {
+    const std::string group = count == 1 ? std::string() : "optimizer group " + std::to_string(g);
     try {
       Opt::validate(options);
     } catch (const std::exception& e) {
-      if (groups_.size() == 1 && g == 0) throw;
-      detail::fail(std::string(e.what()) + " (optimizer group " + std::to_string(g) + ")");
+      detail::fail("tandem: " + what + ": " + detail::reason(e) + (group.empty() ? "" : " (" + group + ")"));
     }
     if (Opt::state_count(options) > state_.state_count())
-      detail::fail("tandem: " + what + ": the " + Opt::name + " options" +
-                   (g == 0 ? std::string() : " of optimizer group " + std::to_string(g)) + " need " +
-                   std::to_string(Opt::state_count(options)) + " state buffers but DataParallel was constructed with " +
-                   std::to_string(state_.state_count()) +
+      detail::fail("tandem: " + what + ": the " + Opt::name + " options" + (group.empty() ? "" : " of " + group) +
+                   " need " + std::to_string(Opt::state_count(options)) +
+                   " state buffers but DataParallel was constructed with " + std::to_string(state_.state_count()) +
                    " (e.g. SGD momentum enabled later); construct with it enabled");
   }
 

@@ -186,7 +186,8 @@ enum class StepVerdict : std::uint32_t {
   update = 0,          ///< the optimizer runs
   options_differ = 1,  ///< the ranks' optimizer options have different fingerprints: nothing is updated
   non_finite = 2,      ///< the global norm is not finite and non-finite gradients skip the update
-  none = 3             ///< no optimizer step since the count was set (SetStepBody)
+  none = 3,            ///< no optimizer step since the count was set (SetStepBody)
+  regrouped = 4        ///< a replay of a step whose launches are of optimizer groups replaced since: nothing is updated
 };
 
 /// What an optimizer step's decision reads: the reduced values in backend memory, and constants of the configuration.
@@ -207,17 +208,20 @@ struct StepRecord {
   std::uint64_t step = 0;              ///< optimizer steps taken after this one
   std::uint64_t non_finite_steps = 0;  ///< steps whose verdict was non_finite so far (0 where not counted)
   std::uint64_t refused_steps = 0;     ///< steps whose verdict was options_differ so far (0 where not counted)
+  std::uint64_t regrouped_steps = 0;   ///< steps whose verdict was regrouped so far (0 where not counted)
 };
 
 /// An optimizer step's decision and scalars, made in backend memory on the stream (one item, lane 0), where the update
-/// bodies read them. The verdict: the options' lanes must agree (WordAgreement), then a non-finite norm skips the
-/// update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update bodies then
-/// leave every array as it is. On an update the step count advances by one, the gradients' factor *grad_scale becomes
-/// average times the clip coefficient of the squared norm (1 without clipping), and each group's Scalars come from its
-/// options and the new count, by the same operations as on the host (Opt::scalars is host+device code). tallies (if
-/// not null) count the steps of each verdict that skips, and *record (if not null) receives the outcome. So what the
-/// updates do depends on no value the host read: the host may read the record before it launches them, later, or
-/// never (docs/cuda.md, "The one host wait").
+/// bodies read them. The verdict: the step's launches must be of the optimizer groups in use (*grouping, where not
+/// null, equal to launched_grouping: the grouping when they were made; a replay of a step captured before the groups'
+/// count or assignment changed fails it), then the options' lanes must agree (WordAgreement), then a non-finite norm
+/// skips the update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update
+/// bodies then leave every array as it is. On an update the step count advances by one, the gradients' factor
+/// *grad_scale becomes average times the clip coefficient of the squared norm (1 without clipping), and each group's
+/// Scalars come from its options and the new count, by the same operations as on the host (Opt::scalars is host+device
+/// code). tallies (if not null) count the steps of each verdict that skips, and *record (if not null) receives the
+/// outcome. So what the updates do depends on no value the host read: the host may read the record before it launches
+/// them, later, or never (docs/cuda.md, "The one host wait").
 template <class Opt>
 struct PrepareStepBody {
   std::uint64_t* step = nullptr;
@@ -228,14 +232,18 @@ struct PrepareStepBody {
   StepChecks checks{};
   std::uint32_t* skip = nullptr;     ///< null: the caller updates whatever the verdict
   StepRecord* record = nullptr;      ///< null: not written
-  std::uint64_t* tallies = nullptr;  ///< [non_finite steps, options_differ steps] so far (null: not counted)
+  std::uint64_t* tallies = nullptr;  ///< [non_finite, options_differ, regrouped steps] so far (null: not counted)
+  const std::uint64_t* grouping = nullptr;  ///< the groups in use (null: not checked), as StepControl numbers them
+  std::uint64_t launched_grouping = 0;      ///< the groups this launch's step was made for
 
   TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
     if (lane != 0) return;
     StepRecord r;
     const double* sum = checks.sum_of_squares;
     if (sum != nullptr) r.grad_norm = grad_norm(*sum, checks.average);
-    if (checks.lanes != nullptr && !WordAgreement::agree(checks.lanes, checks.world))
+    if (grouping != nullptr && *grouping != launched_grouping)
+      r.verdict = StepVerdict::regrouped;
+    else if (checks.lanes != nullptr && !WordAgreement::agree(checks.lanes, checks.world))
       r.verdict = StepVerdict::options_differ;
     else if (sum != nullptr && checks.skip_non_finite && !finite(r.grad_norm))
       r.verdict = StepVerdict::non_finite;
@@ -247,8 +255,10 @@ struct PrepareStepBody {
     if (tallies != nullptr) {
       if (r.verdict == StepVerdict::non_finite) ++tallies[0];
       if (r.verdict == StepVerdict::options_differ) ++tallies[1];
+      if (r.verdict == StepVerdict::regrouped) ++tallies[2];
       r.non_finite_steps = tallies[0];
       r.refused_steps = tallies[1];
+      r.regrouped_steps = tallies[2];
     }
     if (update) {
       *step = r.step;
@@ -277,6 +287,7 @@ struct SetStepBody {
     r.step = count;
     r.non_finite_steps = tallies[0];
     r.refused_steps = tallies[1];
+    r.regrouped_steps = tallies[2];
     *record = r;
   }
 };

@@ -8,9 +8,15 @@
 // host's: the host passes no value that depends on the step to the update's launches (docs/cuda.md, "Step scalars"),
 // and reads the step's record to report it.
 //
-//   counts       uint64[3]       optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
-//                                step advance this one only), then the steps skipped for a non-finite norm and those
-//                                refused for differing options, so far (the host learns of them from the record)
+// A step's launches are made for the optimizer groups of that moment (their count, and each tensor's group: the update
+// segments, the buffers of the options and scalars). A change of them (regroup) numbers a new grouping, stored in
+// stream order, and each prepare launch carries the number it was made for: replays of a step captured before do not
+// update (StepVerdict::regrouped) instead of updating with the launches of groups that no longer exist.
+//
+//   counts       uint64[5]       optimizer steps taken (DataParallel::step_count() mirrors it; replays of a captured
+//                                step advance this one only), then the steps skipped for a non-finite norm, those
+//                                refused for differing options and those refused as regrouped, so far (the host learns
+//                                of them from the record), then the number of the grouping in use
 //   grad_scale   fp32            the gradients' factor of the current step: averaging x clip coefficient
 //   skip         uint32          1 where the current step's verdict is not to update (the update bodies return)
 //   record       StepRecord      the current step's norm, clip coefficient, verdict and step count
@@ -52,12 +58,12 @@ class StepControl {
   /// Room for `groups` optimizer groups, and the step count set to `step` on stream s.
   StepControl(const Backend& backend, std::size_t groups, std::uint64_t step, Stream s)
       : lanes_(allocate_named<double>(backend, WordAgreement::lanes, "the optimizer options' fingerprint lanes")),
-        counts_(allocate_named<std::uint64_t>(backend, 3, "the optimizer step count")),
+        counts_(allocate_named<std::uint64_t>(backend, count_words, "the optimizer step count")),
         grad_scale_(allocate_named<float>(backend, 1, "the optimizer step's gradient factor")),
         skip_(allocate_named<std::uint32_t>(backend, 1, "the optimizer step's skip word")),
         record_(allocate_named<StepRecord>(backend, 1, "the optimizer step's record")) {
     reserve_groups(backend, groups);
-    backend.zero(counts_.data(), 3 * sizeof(std::uint64_t), s);
+    backend.zero(counts_.data(), count_words * sizeof(std::uint64_t), s);  // grouping 0, grouping_'s
     set_step(backend, step, 0, s);
   }
 
@@ -113,6 +119,16 @@ class StepControl {
     stored_lanes_.assign(lanes.begin(), lanes.end());
   }
 
+  /// The optimizer groups' count or assignment changed (DataParallel::set_optimizer_groups, load_checkpoint): a new
+  /// grouping, in the order of stream s. Replays of a step prepared before it no longer update.
+  void regroup(const Backend& backend, Stream s) {
+    // a literal size, as for OptionsStore
+    const StoreValuesBody<std::uint64_t, 1> store{
+        .out = counts_.data() + grouping_word, .values = {grouping_ + 1}, .count = 1};
+    backend.launch(1, store, s);
+    ++grouping_;
+  }
+
   /// store_options() where the options or the lanes differ from those last stored (bytewise), as at each optimizer
   /// step: a step whose options did not change launches no store, so, captured, it reads the options (and checks the
   /// lanes) that store_options() last stored before each replay.
@@ -138,7 +154,9 @@ class StepControl {
                                         .checks = checks,
                                         .skip = skip_.data(),
                                         .record = record_.data(),
-                                        .tallies = counts_.data() + 1},
+                                        .tallies = counts_.data() + 1,
+                                        .grouping = counts_.data() + grouping_word,
+                                        .launched_grouping = grouping_},
                    s);
   }
 
@@ -158,6 +176,8 @@ class StepControl {
   const std::uint32_t* skip() const { return skip_.data(); }
 
  private:
+  static constexpr std::size_t grouping_word = 4;  ///< counts_: the step count, three tallies, the grouping
+  static constexpr std::size_t count_words = 5;
   Buffer<double> lanes_;
   Buffer<std::uint64_t> counts_;
   Buffer<float> grad_scale_;
@@ -169,6 +189,7 @@ class StepControl {
   std::vector<Buffer<Scalars>> retired_scalars_;
   std::vector<Options> stored_;       ///< the options last stored into options_, in stream order (host memory)
   std::vector<double> stored_lanes_;  ///< the lanes last stored into lanes_ (none at one rank)
+  std::uint64_t grouping_ = 0;        ///< the grouping last stored, in stream order
 };
 
 }  // namespace tandem::detail
