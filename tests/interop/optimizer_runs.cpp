@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The tandem side of ctest torch_adamw (check_torch_adamw.py, which runs this and PyTorch): two ranks train four
-// tensors with AdamW, with two optimizer groups (the biases at another lr and without decay), an lr schedule, gradient
-// clipping and averaging over the ranks, and save a checkpoint at step 5 and at step 10, each consolidated with every
-// array (parameters and optimizer state). They do so with the user's buffers under Replicated, OptimizerSharded and
-// GradientSharded, and with tandem's own storage (parameters read and gradients written by bucket) under those and
-// ParameterSharded. PyTorch trains the same problem with torch.optim.AdamW, and resumes from each step-5 file; both
-// must end where tandem did.
+// The tandem side of ctest torch_optimizers (check_torch_optimizers.py, which runs this and PyTorch): two ranks train
+// four tensors with AdamW, and again with SGD (momentum, Nesterov in one group, dampening in the other), with two
+// optimizer groups (the biases with other options), an lr schedule, gradient clipping and averaging over the ranks,
+// and save a checkpoint at step 5 and at step 10, each consolidated with every array (parameters and optimizer state).
+// They do so with the user's buffers under Replicated, OptimizerSharded and GradientSharded, and with tandem's own
+// storage (parameters read and gradients written by bucket) under those and ParameterSharded. PyTorch trains the same
+// problem with torch.optim.AdamW and torch.optim.SGD, and resumes from each step-5 file; both must end where tandem
+// did.
 //
-//   adamw_run OUT      writes OUT/<run>/step5.safetensors and OUT/<run>/step10.safetensors and their checkpoints,
-//                      the runs named <policy> (the user's buffers) and <policy>-owned
+//   optimizer_runs OUT   writes OUT/<optimizer>/<run>/step5.safetensors and .../step10.safetensors and their
+//                        checkpoints, the runs named <policy> (the user's buffers) and <policy>-owned
 //
 // Every value both sides compute from the problem is an IEEE float32 operation on the same operands, in the same
 // order (the script writes the same formulas in NumPy), so the two sides differ only by what their optimizers do.
@@ -53,25 +54,30 @@ float lr(std::size_t group, int t) {
   return base * (1.0f - 0.05f * static_cast<float>(t));
 }
 
-/// The options of construction: group 0's; set_optimizer_groups adds the biases' group.
-const tandem::AdamWOptions decayed{.lr = lr(0, 1), .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
+/// The two optimizer groups' options at step 1: construction takes group 0's, set_optimizer_groups both.
+std::vector<tandem::AdamWOptions> groups_of(tandem::AdamW) {
+  const tandem::AdamWOptions decayed{.lr = lr(0, 1), .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
+  return {decayed, {.lr = lr(1, 1), .beta1 = 0.8f, .beta2 = 0.995f, .eps = 1e-6f, .weight_decay = 0.0f}};
+}
+std::vector<tandem::SGDOptions> groups_of(tandem::SGD) {
+  return {{.lr = lr(0, 1), .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = tandem::Nesterov::on},
+          {.lr = lr(1, 1), .momentum = 0.8f, .dampening = 0.1f}};
+}
+
 const tandem::DataParallelOptions options{.bucket_cap_bytes = 1024, .max_grad_norm = max_grad_norm};
 
 /// Steps 1 to `steps` on one rank, with `write_gradients` writing the rank's gradients at each (from its parameters);
 /// checkpoints of steps 5 and 10 in `dir`, consolidated.
-template <class DP, class Gradients>
+template <class Opt, class DP, class Gradients>
 void steps_of(tandem::LocalComm& comm, DP& dp, const std::string& dir, Gradients&& write_gradients) {
-  tandem::AdamWOptions biases = decayed;
-  biases.lr = lr(1, 1);
-  biases.weight_decay = 0.0f;
   std::vector<std::size_t> group_of;
   for (const Tensor& t : tensors) group_of.push_back(t.group);
-  dp.set_optimizer_groups({decayed, biases}, group_of);
+  dp.set_optimizer_groups(groups_of(Opt{}), group_of);
   for (int t = 1; t <= steps; ++t) {
     for (std::size_t group = 0; group < 2; ++group) dp.optimizer_options(group).lr = lr(group, t);
     write_gradients(t);
     const tandem::StepResult result = dp.step();
-    if (!result.updated) throw tandem::error("adamw_run: step " + std::to_string(t) + " did not update");
+    if (!result.updated) throw tandem::error("optimizer_runs: step " + std::to_string(t) + " did not update");
     if (t == save_at || t == steps) {
       const std::string name = dir + "/step" + std::to_string(t);
       dp.save_checkpoint(name);
@@ -81,7 +87,7 @@ void steps_of(tandem::LocalComm& comm, DP& dp, const std::string& dir, Gradients
 }
 
 /// The user's buffers: each rank writes its gradients into them, and reads the parameters step() wrote back.
-template <class Policy>
+template <class Policy, class Opt>
 void train_user_buffers(const std::string& out) {
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     std::vector<std::vector<float>> w(tensors.size()), g(tensors.size());
@@ -92,9 +98,9 @@ void train_user_buffers(const std::string& out) {
       for (std::size_t i = 0; i < w[k].size(); ++i) w[k][i] = initial(k, i);
       refs.push_back({tensors[k].name, w[k].data(), g[k].data(), w[k].size()});
     }
-    tandem::DataParallel<Policy, tandem::AdamW> dp(comm, refs, decayed, options);
+    tandem::DataParallel<Policy, Opt> dp(comm, refs, groups_of(Opt{})[0], options);
     dp.broadcast_parameters();
-    steps_of(comm, dp, out + "/" + Policy::name, [&](int t) {
+    steps_of<Opt>(comm, dp, out + "/" + Opt::name + "/" + Policy::name, [&](int t) {
       for (std::size_t k = 0; k < tensors.size(); ++k)
         for (std::size_t i = 0; i < w[k].size(); ++i) g[k][i] = gradient(k, i, comm.rank(), t, w[k][i]);
     });
@@ -103,17 +109,17 @@ void train_user_buffers(const std::string& out) {
 
 /// tandem's storage: the initial parameters given to initialize_parameters, then at each step every bucket's
 /// parameters read through parameters(b) and its gradients added through gradients(b), in bucket order.
-template <class Policy>
+template <class Policy, class Opt>
 void train_owned(const std::string& out) {
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     std::vector<tandem::TensorSpec> specs;
     for (const Tensor& t : tensors) specs.push_back({t.name, t.numel, tandem::DType::fp32});
-    tandem::DataParallel<Policy, tandem::AdamW> dp(comm, specs, decayed, options);
+    tandem::DataParallel<Policy, Opt> dp(comm, specs, groups_of(Opt{})[0], options);
     dp.template initialize_parameters<float>([](std::size_t k, float* values) {
       for (std::size_t i = 0; i < tensors[k].numel; ++i) values[i] = initial(k, i);
     });
     std::vector<std::vector<float>> w(tensors.size());
-    steps_of(comm, dp, out + "/" + Policy::name + "-owned", [&](int t) {
+    steps_of<Opt>(comm, dp, out + "/" + Opt::name + "/" + Policy::name + "-owned", [&](int t) {
       for (std::size_t b = 0; b < dp.num_buckets(); ++b) {
         {
           auto params = dp.parameters(b);
@@ -132,23 +138,29 @@ void train_owned(const std::string& out) {
   });
 }
 
+template <class Opt>
+void train_all(const std::string& out) {
+  train_user_buffers<tandem::Replicated, Opt>(out);
+  train_user_buffers<tandem::OptimizerSharded, Opt>(out);
+  train_user_buffers<tandem::GradientSharded, Opt>(out);
+  train_owned<tandem::Replicated, Opt>(out);
+  train_owned<tandem::OptimizerSharded, Opt>(out);
+  train_owned<tandem::GradientSharded, Opt>(out);
+  train_owned<tandem::ParameterSharded, Opt>(out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: adamw_run OUT\n");
+    std::fprintf(stderr, "usage: optimizer_runs OUT\n");
     return 2;
   }
   try {
-    train_user_buffers<tandem::Replicated>(argv[1]);
-    train_user_buffers<tandem::OptimizerSharded>(argv[1]);
-    train_user_buffers<tandem::GradientSharded>(argv[1]);
-    train_owned<tandem::Replicated>(argv[1]);
-    train_owned<tandem::OptimizerSharded>(argv[1]);
-    train_owned<tandem::GradientSharded>(argv[1]);
-    train_owned<tandem::ParameterSharded>(argv[1]);
+    train_all<tandem::AdamW>(argv[1]);
+    train_all<tandem::SGD>(argv[1]);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "adamw_run: %s\n", e.what());
+    std::fprintf(stderr, "optimizer_runs: %s\n", e.what());
     return 1;
   }
   return 0;
