@@ -668,8 +668,8 @@ TEST_CASE_TEMPLATE(
   // change its replays of the step captured before leave the parameters, the optimizer state and the step count as
   // they are (the later steps' bits show it: a step taken would change them), a save and last_step() throw, and a step
   // captured anew continues as the eager run. set_optimizer_groups with the same count and assignment keeps the
-  // captured step: its replays go on. Two ranks step under StepReport::deferred (a step that reads cannot be captured),
-  // and both throw alike.
+  // captured step: its replays go on, with the options it stored. Two ranks step under StepReport::deferred (a step
+  // that reads cannot be captured), and both throw alike.
   constexpr std::size_t n = 3000, half = n / 2;
   auto train = [&](int world, bool captured) {
     std::vector<float> trained;
@@ -700,6 +700,8 @@ TEST_CASE_TEMPLATE(
       other.lr = 5e-3f;
       other.weight_decay = 0.0f;
       const std::vector<tandem::AdamWOptions> groups{dp.optimizer_options(), other};
+      std::vector<tandem::AdamWOptions> halved = groups;  // other options, the same count and assignment
+      halved[0].lr *= 0.5f;
       // replays of `graph` after a change of groups: nothing moves, and `report` throws for them, saying how many
       auto refused = [&](const tandem::HostGraph& graph, int replays, auto report) {
         const std::vector<float> before = problem.w;
@@ -718,7 +720,9 @@ TEST_CASE_TEMPLATE(
         dp.set_optimizer_groups(groups, {0, 1});
         for (int s = 0; s < 2; ++s) optimizer_step();
         dp.set_optimizer_groups(groups, {1, 0});
-        for (int s = 0; s < 2; ++s) optimizer_step();
+        optimizer_step();
+        dp.set_optimizer_groups(halved, {1, 0});
+        optimizer_step();
       } else {
         const tandem::HostGraph one_group = capture();
         for (int s = 0; s < 2; ++s) one_group.replay();
@@ -728,12 +732,22 @@ TEST_CASE_TEMPLATE(
         const tandem::HostGraph two_groups = capture();
         for (int s = 0; s < 2; ++s) two_groups.replay();
         dp.set_optimizer_groups(groups, {1, 0});  // the same count, another assignment
-        refused(two_groups, 1, [&] { dp.last_step(); });
+        // every rank's report (under deferred, where it reports), then this rank's
+        refused(two_groups, 1,
+                [&] { world > 1 ? (void)dp.all_ranks_have_batch(tandem::Batch::available) : (void)dp.last_step(); });
         refused(one_group, 2, [&] { dp.last_step(); });
         const tandem::HostGraph swapped = capture();
         swapped.replay();
-        dp.set_optimizer_groups(groups, {1, 0});  // the same groups: the captured step stays good
+        // the same count and assignment: the captured step stays good, and the replays take the new options
+        dp.set_optimizer_groups(halved, {1, 0});
         swapped.replay();
+        // a change of groups during a capture is refused on every rank (it would be made at each replay)
+        user.begin_capture();
+        CHECK_THROWS_WITH_AS(dp.set_optimizer_groups(groups, {0, 0}),
+                             doctest::Contains("set_optimizer_groups while the user's stream is capturing"),
+                             tandem::error);
+        (void)user.end_capture();
+        CHECK(dp.optimizer_group(0) == 1);
         user.synchronize();
         CHECK(dp.last_step().step == 7);
       }

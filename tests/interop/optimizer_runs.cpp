@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The tandem side of ctest torch_optimizers (check_torch_optimizers.py, which runs this and PyTorch): two ranks train
 // four tensors with AdamW, and again with SGD (momentum, Nesterov in one group, dampening in the other), with two
-// optimizer groups (the biases with other options), an lr schedule, gradient clipping and averaging over the ranks,
-// and save a checkpoint at step 5 and at step 10, each consolidated with every array (parameters and optimizer state).
-// They do so with the user's buffers under Replicated, OptimizerSharded and GradientSharded, and with tandem's own
-// storage (parameters read and gradients written by bucket) under those and ParameterSharded. PyTorch trains the same
-// problem with torch.optim.AdamW and torch.optim.SGD, and resumes from each step-5 file; both must end where tandem
-// did.
+// optimizer groups (the biases with other options), an lr schedule and the gradients averaged over the ranks (AdamW's
+// clipped to a global norm of 1, SGD's not: clipping would hide their scale), and save a checkpoint at step 5 and at
+// step 10, each consolidated with every array (parameters and optimizer state). They do so with the user's buffers
+// under Replicated, OptimizerSharded and GradientSharded, and with tandem's own storage (parameters read and gradients
+// written by bucket) under those and ParameterSharded. PyTorch trains the same problem with torch.optim.AdamW and
+// torch.optim.SGD, and resumes from each step-5 file; both must end where tandem did.
 //
 //   optimizer_runs OUT   writes OUT/<optimizer>/<run>/step5.safetensors and .../step10.safetensors and their
 //                        checkpoints, the runs named <policy> (the user's buffers) and <policy>-owned
@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <exception>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tandem/tandem.hpp"
@@ -24,7 +25,6 @@ namespace {
 
 constexpr int world = 2;
 constexpr int steps = 10, save_at = 5;
-constexpr float max_grad_norm = 1.0f;
 
 struct Tensor {
   const char* name;
@@ -64,7 +64,11 @@ std::vector<tandem::SGDOptions> groups_of(tandem::SGD) {
           {.lr = lr(1, 1), .momentum = 0.8f, .dampening = 0.1f}};
 }
 
-const tandem::DataParallelOptions options{.bucket_cap_bytes = 1024, .max_grad_norm = max_grad_norm};
+/// Clipping to a global norm of 1 (every step's gradients scaled by about 0.05), or none.
+template <class Opt>
+tandem::DataParallelOptions options() {
+  return {.bucket_cap_bytes = 1024, .max_grad_norm = std::is_same_v<Opt, tandem::AdamW> ? 1.0f : 0.0f};
+}
 
 /// Steps 1 to `steps` on one rank, with `write_gradients` writing the rank's gradients at each (from its parameters);
 /// checkpoints of steps 5 and 10 in `dir`, consolidated.
@@ -98,7 +102,7 @@ void train_user_buffers(const std::string& out) {
       for (std::size_t i = 0; i < w[k].size(); ++i) w[k][i] = initial(k, i);
       refs.push_back({tensors[k].name, w[k].data(), g[k].data(), w[k].size()});
     }
-    tandem::DataParallel<Policy, Opt> dp(comm, refs, groups_of(Opt{})[0], options);
+    tandem::DataParallel<Policy, Opt> dp(comm, refs, groups_of(Opt{})[0], options<Opt>());
     dp.broadcast_parameters();
     steps_of<Opt>(comm, dp, out + "/" + Opt::name + "/" + Policy::name, [&](int t) {
       for (std::size_t k = 0; k < tensors.size(); ++k)
@@ -114,7 +118,7 @@ void train_owned(const std::string& out) {
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
     std::vector<tandem::TensorSpec> specs;
     for (const Tensor& t : tensors) specs.push_back({t.name, t.numel, tandem::DType::fp32});
-    tandem::DataParallel<Policy, Opt> dp(comm, specs, groups_of(Opt{})[0], options);
+    tandem::DataParallel<Policy, Opt> dp(comm, specs, groups_of(Opt{})[0], options<Opt>());
     dp.template initialize_parameters<float>([](std::size_t k, float* values) {
       for (std::size_t i = 0; i < tensors[k].numel; ++i) values[i] = initial(k, i);
     });

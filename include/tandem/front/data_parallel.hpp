@@ -670,16 +670,7 @@ class DataParallel {
       gathered_.forget();
       synced_ = true;
       damaged_.clear();
-      if (saved) {  // the options the checkpoint recorded (references to them stay valid where the count is the same)
-        const std::size_t count = groups_.size();
-        const std::vector<std::size_t> group_of = std::exchange(group_of_, std::move(saved->group_of));
-        if (saved->groups.size() == count)
-          std::copy(saved->groups.begin(), saved->groups.end(), groups_.begin());
-        else
-          groups_ = std::move(saved->groups);
-        regroup(scope, count, group_of);
-        store_options(Store::always);  // for replays of a captured step, as store_optimizer_options()
-      }
+      if (saved) apply_groups(scope, std::move(saved->groups), std::move(saved->group_of), "load_checkpoint");
       for (const Range& run : param_runs_.runs) (this->*steps_->params_out)(scope, run, work_stream());
       scope.leave();
       return sharded && !sharded->manifest().parameters_only ? sharded->manifest().metadata : CheckpointMetadata{};
@@ -1068,7 +1059,7 @@ class DataParallel {
     if (tensor >= layout_.size())
       detail::fail("tandem: optimizer_group(" + std::to_string(tensor) + "): the layout has " +
                    std::to_string(layout_.size()) + " tensors");
-    return group_of_.empty() ? 0 : group_of_[tensor];
+    return group_in(group_of_, tensor);
   }
 
   /// Makes the optimizer options as they are now (every group's) those the next update uses, in the order of the
@@ -1088,8 +1079,9 @@ class DataParallel {
   /// with the same groups and assignment, between steps (it applies from the next update, also inside an
   /// accumulation window); the state buffers are those of construction, so no group may need more (construct with
   /// the most demanding options). Throws tandem::error on every rank if any rank's arguments are wrong or the ranks
-  /// disagree; the groups are then unchanged. A new count or assignment changes a step's launches: a step captured
-  /// before updates nothing when replayed, and the next report throws; capture it again (docs/cuda.md).
+  /// disagree; the groups are then unchanged. It stores the options for the updates, as store_optimizer_options(). A
+  /// new count or assignment changes a step's launches: a step captured before updates nothing when replayed, and the
+  /// next report throws; capture it again (docs/cuda.md). Refused while the user's stream is capturing.
   ///
   ///   auto no_decay = dp.optimizer_options();
   ///   no_decay.weight_decay = 0;
@@ -1109,24 +1101,22 @@ class DataParallel {
           detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
                        std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
       for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, groups.size(), "set_optimizer_groups");
+      if (backend_.capturing(options_.stream))
+        detail::fail(
+            "tandem: set_optimizer_groups while the user's stream is capturing: the change is made on the "
+            "stream, in the steps' order; call it between captures, and capture the step again after it");
       control_.reserve_groups(backend_, groups.size());  // room for the groups' scalars; every rank learns a failure
     } catch (const std::exception& e) {
       problem = e.what();
     }
     all_ranks_succeed(problem);
-    std::swap(groups_, groups);
-    std::swap(group_of_, group_of);
-    const std::uint64_t mine = optimizer_fingerprint();
-    const std::vector<std::uint64_t> all = all_gather_words({mine});
+    const std::vector<std::uint64_t> all = all_gather_words({detail::groups_fingerprint<Opt>(groups, group_of)});
     for (int r = 0; r < world_; ++r)
-      if (all[static_cast<std::size_t>(r)] != all[0]) {
-        std::swap(groups_, groups);
-        std::swap(group_of_, group_of);
+      if (all[static_cast<std::size_t>(r)] != all[0])
         detail::fail("tandem: set_optimizer_groups: ranks 0 and " + std::to_string(r) +
                      " passed different groups or assignments; every rank must pass the same");
-      }
     StreamScope scope(*this, Exit::leave);
-    regroup(scope, groups.size(), group_of);  // (they hold the groups before)
+    apply_groups(scope, std::move(groups), std::move(group_of), "set_optimizer_groups");
     scope.leave();
   }
   const DataParallelOptions& options() const { return options_; }
@@ -1652,7 +1642,7 @@ class DataParallel {
       detail::validate_checkpoint_names(plan_, layout_, Opt::state_count(groups_[0]), rank_);
       allocate();
       plan_runs();
-      build_segments();
+      segments_ = segments_of(group_of_);
       (this->*steps_->construct)(scope);
     } catch (const std::exception& e) {
       problem = e.what();
@@ -1874,22 +1864,25 @@ class DataParallel {
     };
     const std::string dropped = late ? "nothing was updated at them and their windows' gradients were dropped"
                                      : "nothing was updated and the window's gradients were dropped";
-    // (a step that reads cannot be captured, so step()'s own report finds none of these: only replays are regrouped)
+    // Every kind of refusal due is named in one message: the report has consumed them all.
+    std::string refusals;
+    const auto refusal = [&](const std::string& text) { refusals += (refusals.empty() ? "" : "; and ") + text; };
+    // (only replays are regrouped: a step that reads cannot be captured, and set_optimizer_groups refuses a capture)
     if (regrouped > 0)
-      detail::fail("tandem: " + std::string(what) + ": " + std::to_string(regrouped) +
-                   " replay(s) of a step captured before the optimizer groups changed updated nothing: "
-                   "set_optimizer_groups or load_checkpoint changed their count or assignment since the capture, and "
-                   "the captured launches are those of the groups before (the step count is now " +
-                   std::to_string(r.step) + "); capture the step again after such a change (docs/cuda.md)");
+      refusal(std::to_string(regrouped) +
+              " replay(s) of a step captured before the optimizer groups changed updated nothing: "
+              "set_optimizer_groups or load_checkpoint changed their count or assignment since the capture, and the "
+              "captured launches are those of the groups before (the step count is now " +
+              std::to_string(r.step) + "); capture the step again after such a change (docs/cuda.md)");
     if (refused > 0)
-      detail::fail("tandem: " + std::string(what) + ": the ranks' optimizer options differ at " + where(refused) +
-                   " (changed through optimizer_options() on some ranks only?); " + dropped +
-                   ": set the same options on every rank, and the next step() trains on");
+      refusal("the ranks' optimizer options differ at " + where(refused) +
+              " (changed through optimizer_options() on some ranks only?); " + dropped +
+              ": set the same options on every rank, and the next step() trains on");
     if (non_finite > 0 && options_.non_finite == NonFinite::throw_error)
-      detail::fail("tandem: " + std::string(what) + ": non-finite gradients at " + where(non_finite) +
-                   (late ? std::string() : " (global norm " + std::to_string(r.grad_norm) + ")") + "; " + dropped +
-                   ", so the next step() starts a clean window (NonFinite::skip_step drops such steps without "
-                   "throwing)");
+      refusal("non-finite gradients at " + where(non_finite) +
+              (late ? std::string() : " (global norm " + std::to_string(r.grad_norm) + ")") + "; " + dropped +
+              ", so the next step() starts a clean window (NonFinite::skip_step drops such steps without throwing)");
+    if (!refusals.empty()) detail::fail("tandem: " + std::string(what) + ": " + refusals);
     StepResult result{
         .updated = r.verdict == detail::StepVerdict::update,
         .skipped = r.verdict == detail::StepVerdict::non_finite && options_.non_finite == NonFinite::skip_step,
@@ -1965,20 +1958,21 @@ class DataParallel {
     std::size_t group;
   };
 
-  /// segments_ from group_of_: each owned range cut where the tensors' group changes. Alignment gaps and padding (zero
-  /// parameters, zero gradients) go with the tensor before them, or the first one.
-  TANDEM_COLD void build_segments() {
-    segments_.assign(plan_.num_buckets(), {});
+  /// The update's segments under the assignment `group_of` (group_in): each owned range cut where the tensors' group
+  /// changes. Alignment gaps and padding (zero parameters, zero gradients) go with the tensor before them, or the first
+  /// one.
+  TANDEM_COLD std::vector<std::vector<Segment>> segments_of(const std::vector<std::size_t>& group_of) const {
+    std::vector<std::vector<Segment>> segments(plan_.num_buckets());
     for (std::size_t b = 0; b < plan_.num_buckets(); ++b) {
       const Range own = owned_range(b);
-      std::vector<Segment>& segs = segments_[b];
+      std::vector<Segment>& segs = segments[b];
       std::vector<std::size_t> tensors = plan_.bucket(b).tensors;
       std::sort(tensors.begin(), tensors.end(),
                 [&](std::size_t x, std::size_t y) { return flat_index(x) < flat_index(y); });
       for (std::size_t t : tensors) {
         const std::size_t begin = std::max(flat_index(t), own.begin);
         const std::size_t end = std::min(flat_index(t) + layout_[t].numel, own.end);
-        const std::size_t group = group_of_.empty() ? 0 : group_of_[t];
+        const std::size_t group = group_in(group_of, t);
         if (begin >= end) continue;
         if (!segs.empty() && segs.back().group == group) continue;  // the previous segment reaches here
         if (!segs.empty()) segs.back().end = begin - own.begin;
@@ -1986,18 +1980,38 @@ class DataParallel {
       }
       if (segs.empty()) segs.push_back({0, own.size(), 0});  // padding only
     }
+    return segments;
   }
 
-  /// After groups_ and group_of_ replaced `count` groups and the assignment `group_of` (set_optimizer_groups,
-  /// load_checkpoint): the updates' segments and, where the count or the assignment changed, a new grouping in the
-  /// order of the user's stream (StepControl::regroup): replays of a step captured before then update nothing, and the
-  /// next report throws (docs/cuda.md, "Capturing a step"). The same count and assignment keep the captured launches.
-  void regroup(const StreamScope&, std::size_t count, const std::vector<std::size_t>& group_of) {
-    build_segments();
-    const auto group = [](const std::vector<std::size_t>& of, std::size_t t) { return of.empty() ? 0 : of[t]; };
-    bool same = count == groups_.size();
-    for (std::size_t t = 0; same && t < layout_.size(); ++t) same = group(group_of, t) == group(group_of_, t);
-    if (!same) control_.regroup(backend_, work_stream());
+  /// The group of tensor t under the assignment `of` (empty: every tensor in group 0).
+  static std::size_t group_in(const std::vector<std::size_t>& of, std::size_t t) { return of.empty() ? 0 : of[t]; }
+
+  /// Makes `groups` and `group_of` (checked, and the same on every rank) the optimizer groups (`what` names the
+  /// caller), in the order of the user's stream: the updates' segments; where the count or the assignment changed, a
+  /// new grouping (StepControl::regroup: replays of a step captured before then update nothing, and the next report
+  /// throws; docs/cuda.md, "Capturing a step"); and the options stored for the updates, as store_optimizer_options().
+  /// The same count and assignment keep a captured step's launches good. References to the options stay valid where the
+  /// count is the same. The host's side changes at once, and nothing of it throws; a launch that throws (a failed
+  /// backend) leaves the state damaged, as a failed load does.
+  void apply_groups(const StreamScope&, std::vector<OptimizerOptions> groups, std::vector<std::size_t> group_of,
+                    const char* what) {
+    bool same = groups.size() == groups_.size();
+    for (std::size_t t = 0; same && t < layout_.size(); ++t) same = group_in(group_of, t) == group_in(group_of_, t);
+    std::vector<std::vector<Segment>> segments = segments_of(group_of);  // (allocates: before anything changes)
+    if (groups.size() == groups_.size())
+      std::copy(groups.begin(), groups.end(), groups_.begin());
+    else
+      groups_.swap(groups);
+    group_of_.swap(group_of);
+    segments_.swap(segments);
+    try {
+      if (!same) control_.regroup(backend_, work_stream());
+      store_options(Store::always);
+    } catch (const std::exception& e) {
+      damaged_ = std::string(what) + " failed storing the optimizer groups for the updates (" + e.what() +
+                 "), so the steps' launches may not match them; load a checkpoint";
+      throw;
+    }
   }
 
   /// check_group() of every group's options as they are now (they may have been changed through optimizer_options()).
@@ -2008,14 +2022,17 @@ class DataParallel {
   /// Throws tandem::error, its message naming the caller `what` and, of more than one, the group, if `options` (group g
   /// of `count`) are invalid (Opt::validate) or need more state buffers than were allocated.
   void check_group(const OptimizerOptions& options, std::size_t g, std::size_t count, const std::string& what) const {
-    const std::string group = count == 1 ? std::string() : "optimizer group " + std::to_string(g);
+    // (the group's name is made only for a message: step() checks every group at every call)
+    const auto group = [&](const char* before, const char* after) {
+      return count == 1 ? std::string() : before + std::to_string(g) + after;
+    };
     try {
       Opt::validate(options);
     } catch (const std::exception& e) {
-      detail::fail("tandem: " + what + ": " + detail::reason(e) + (group.empty() ? "" : " (" + group + ")"));
+      detail::fail("tandem: " + what + ": " + detail::reason(e) + group(" (optimizer group ", ")"));
     }
     if (Opt::state_count(options) > state_.state_count())
-      detail::fail("tandem: " + what + ": the " + Opt::name + " options" + (group.empty() ? "" : " of " + group) +
+      detail::fail("tandem: " + what + ": the " + Opt::name + " options" + group(" of optimizer group ", "") +
                    " need " + std::to_string(Opt::state_count(options)) +
                    " state buffers but DataParallel was constructed with " + std::to_string(state_.state_count()) +
                    " (e.g. SGD momentum enabled later); construct with it enabled");

@@ -177,7 +177,7 @@ class StepControl {
 
  private:
   static constexpr std::size_t grouping_word = 4;  ///< counts_: the step count, three tallies, the grouping
-  static constexpr std::size_t count_words = 5;
+  static constexpr std::size_t count_words = grouping_word + 1;
   Buffer<double> lanes_;
   Buffer<std::uint64_t> counts_;
   Buffer<float> grad_scale_;
