@@ -46,17 +46,25 @@ TOLERANCE = 2e-6
 # The problem, as tests/interop/optimizer_runs.cpp states it: (name, elements, optimizer group).
 TENSORS = [("embed.weight", 700, 0), ("block.bias", 37, 1), ("head.weight", 515, 0), ("head.bias", 9, 1)]
 WORLD, STEPS, SAVE_AT = 2, 10, 5
+f32 = np.float32
+
+
+def lr(group, t):
+    """Group `group`'s learning rate at step t (1-based): each decays linearly."""
+    base = f32(1e-2) if group == 0 else f32(3e-2)
+    return float(base * (f32(1.0) - f32(0.05) * f32(t)))
+
+
 # Each optimizer's groups at step 1 in tandem's names, and its clipping (None: none), as optimizer_runs.cpp sets them.
 GROUPS = {
-    "AdamW": [{"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1},
-              {"lr": 3e-2, "beta1": 0.8, "beta2": 0.995, "eps": 1e-6, "weight_decay": 0.0}],
-    "SGD": [{"lr": 1e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": 1},
-            {"lr": 3e-2, "momentum": 0.8, "dampening": 0.1, "weight_decay": 0.0, "nesterov": 0}],
+    "AdamW": [{"lr": lr(0, 1), "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1},
+              {"lr": lr(1, 1), "beta1": 0.8, "beta2": 0.995, "eps": 1e-6, "weight_decay": 0.0}],
+    "SGD": [{"lr": lr(0, 1), "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": 1},
+            {"lr": lr(1, 1), "momentum": 0.8, "dampening": 0.1, "weight_decay": 0.0, "nesterov": 0}],
 }
 MAX_NORM = {"AdamW": 1.0, "SGD": None}
 POLICIES = ["Replicated", "OptimizerSharded", "GradientSharded"]
 RUNS = POLICIES + [p + "-owned" for p in POLICIES + ["ParameterSharded"]]  # the user's buffers; tandem's storage
-f32 = np.float32
 
 
 def initial(k, n):
@@ -74,11 +82,6 @@ def gradient(k, r, t, w):
     scale = f32(1.0) + f32(0.5) * f32(r)
     noise = (((i * 7 + k * 5 + r * 3 + t) % 11) - 5).astype(f32) * f32(0.01)
     return (w - target(k, w.size)) * scale + noise
-
-
-def lr(group, t):
-    base = f32(1e-2) if group == 0 else f32(3e-2)
-    return float(base * (f32(1.0) - f32(0.05) * f32(t)))
 
 
 def read_safetensors(path):
