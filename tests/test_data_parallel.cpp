@@ -704,6 +704,7 @@ TEST_CASE_TEMPLATE(
       halved[0].lr *= 0.5f;
       // replays of `graph` after a change of groups: nothing moves, and `report` throws for them, saying how many
       auto refused = [&](const tandem::HostGraph& graph, int replays, auto report) {
+        user.synchronize();
         const std::vector<float> before = problem.w;
         const std::uint64_t count = dp.last_step().step;
         for (int k = 0; k < replays; ++k) graph.replay();
@@ -746,7 +747,20 @@ TEST_CASE_TEMPLATE(
         CHECK_THROWS_WITH_AS(dp.set_optimizer_groups(groups, {0, 0}),
                              doctest::Contains("set_optimizer_groups while the user's stream is capturing"),
                              tandem::error);
+        // and so are the calls that wait on the host for the streams, before they issue anything (the capture ends
+        // whole below, as it would not with a stream of tandem's joined and left in it)
+        CHECK_THROWS_WITH_AS(dp.last_step(), doctest::Contains("last_step() while the user's stream is capturing"),
+                             tandem::error);
+        CHECK_THROWS_WITH_AS(dp.save_checkpoint(dir),
+                             doctest::Contains("save_checkpoint while the user's stream is capturing"), tandem::error);
+        CHECK_THROWS_WITH_AS(dp.load_checkpoint(dir),
+                             doctest::Contains("load_checkpoint while the user's stream is capturing"), tandem::error);
+        if (world > 1)  // (under deferred, where it reports)
+          CHECK_THROWS_WITH_AS(dp.all_ranks_have_batch(tandem::Batch::available),
+                               doctest::Contains("all_ranks_have_batch while the user's stream is capturing"),
+                               tandem::error);
         (void)user.end_capture();
+        CHECK(!std::filesystem::exists(dir));
         CHECK(dp.optimizer_group(0) == 1);
         user.synchronize();
         CHECK(dp.last_step().step == 7);
@@ -762,6 +776,56 @@ TEST_CASE_TEMPLATE(
     const std::vector<float> eager = train(world, false), replayed = train(world, true);
     CHECK(std::memcmp(eager.data(), replayed.data(), n * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE_TEMPLATE(
+    "a replay stale on one rank only (its step captured before the optimizer groups changed, the other rank's after) "
+    "updates nothing on either rank, and every rank's report says so",
+    Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
+  // Each rank's stale lane rides the step's scalar all-reduce, so that the ranks reach one verdict: the rank whose own
+  // step is current would otherwise update alone, and the ranks' parameters part.
+  constexpr std::size_t n = 3000, half = n / 2;
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    QuadraticProblem problem(n);
+    tandem::HostStream user;
+    tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
+        comm,
+        {{"a", problem.w.data(), problem.g.data(), half},
+         {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
+        {.lr = 1e-2f},
+        {.bucket_cap_bytes = 4096, .step_report = tandem::StepReport::deferred, .stream = user.stream()});
+    dp.broadcast_parameters();
+    const tandem::StreamHostBackend launcher;
+    auto optimizer_step = [&] {
+      launcher.launch(1, problem.gradient(), user.stream());
+      dp.step();
+    };
+    auto capture = [&] {
+      user.begin_capture();
+      optimizer_step();
+      return user.end_capture();
+    };
+    optimizer_step();
+    const tandem::HostGraph before = capture();
+    tandem::AdamWOptions other = dp.optimizer_options();
+    other.lr = 5e-3f;
+    dp.set_optimizer_groups({dp.optimizer_options(), other}, {0, 1});
+    const tandem::HostGraph after = capture();
+    user.synchronize();
+    const std::vector<float> start = problem.w;
+    (comm.rank() == 0 ? before : after).replay();
+    user.synchronize();
+    CHECK(std::memcmp(start.data(), problem.w.data(), n * sizeof(float)) == 0);
+    CHECK_THROWS_WITH_AS(dp.all_ranks_have_batch(tandem::Batch::available),
+                         doctest::Contains("1 replay(s) of a step captured before the optimizer groups changed"),
+                         tandem::error);
+    after.replay();  // current on both ranks: it updates
+    user.synchronize();
+    CHECK(problem.w != start);
+    const tandem::StepResult last = dp.last_step();
+    CHECK(last.updated);
+    CHECK(last.step == 2);
+  });
 }
 
 TEST_CASE_TEMPLATE(

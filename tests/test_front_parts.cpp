@@ -358,31 +358,38 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
   CHECK(skip == 0);
   CHECK(control.record(be, s).step == at + 1);
   // the options' fingerprint lanes (more than one rank) are stored with the options, and again when they change alone
-  // (set_optimizer_groups may change the fingerprint but not the options)
-  auto lanes_read = [&] {
-    std::array<double, 4> l{};
-    be.read(l.data(), control.lanes(), sizeof l, s);
+  // (set_optimizer_groups may change the fingerprint but not the options); a step's lanes are those, then its stale
+  // lane (0: its launches are of the grouping in use)
+  const tandem::StreamHostBackend::Buffer<double> step_lanes = be.allocate<double>(5);
+  auto lanes_read = [&](tandem::Stream on) {
+    std::array<double, 5> l{};
+    be.read(l.data(), step_lanes.data(), sizeof l, on);
     return l;
   };
   const std::array<double, 4> lanes{1.0, 1.0, 3.0, 9.0}, other{2.0, 4.0, 3.0, 9.0};
   control.store_options(be, groups, lanes, s);
-  CHECK(lanes_read() == lanes);
+  control.step_lanes(be, step_lanes.data(), s);
+  CHECK(lanes_read(s) == std::array<double, 5>{1.0, 1.0, 3.0, 9.0, 0.0});
   control.store_changed_options(be, groups, other, s);
-  CHECK(lanes_read() == other);
+  control.step_lanes(be, step_lanes.data(), s);
+  CHECK(lanes_read(s) == std::array<double, 5>{2.0, 4.0, 3.0, 9.0, 0.0});
   CHECK_THROWS_WITH_AS(control.store_options(be, groups, std::span<const double>(lanes.data(), 3), s),
                        doctest::Contains("4 lanes"), tandem::error);
 
-  // A step prepared in a capture, then the groups regrouped: its replays do not update and are counted; a step
-  // prepared after updates, and replays before a regroup update (the capture's grouping is the one in use).
+  // A step prepared in a capture, then the groups regrouped: its replays do not update and are counted, and their
+  // stale lane is 1; a step prepared after updates, and replays before a regroup update (the capture's grouping is the
+  // one in use). Another rank's stale lane, summed into this one's, refuses this rank's step too.
   tandem::HostStream user;
   const tandem::Stream u = user.stream();
   user.begin_capture();
+  control.step_lanes(be, step_lanes.data(), u);
   control.prepare(be, groups.size(), {}, u);
   const tandem::HostGraph graph = user.end_capture();
   const std::uint64_t taken = control.record(be, u).step;
   graph.replay();
   CHECK(control.record(be, u).verdict == tandem::detail::StepVerdict::update);
   CHECK(control.record(be, u).step == taken + 1);
+  CHECK(lanes_read(u)[4] == 0.0);
   control.regroup(be, u);
   for (std::uint64_t k = 1; k <= 2; ++k) {
     graph.replay();
@@ -392,14 +399,24 @@ TEST_CASE("StepControl keeps the step count and makes each group's scalars and t
     CHECK(record.regrouped_steps == k);
     be.read(&skip, control.skip(), sizeof skip, u);
     CHECK(skip == 1);
+    CHECK(lanes_read(u)[4] == 1.0);
   }
+  control.step_lanes(be, step_lanes.data(), u);
+  CHECK(lanes_read(u)[4] == 0.0);
+  const double another_rank_stale = 1.0;
+  be.copy(step_lanes.data() + 4, &another_rank_stale, sizeof(double), u);
+  control.prepare(be, groups.size(), {.stale = step_lanes.data() + 4}, u);
+  record = control.record(be, u);
+  CHECK(record.verdict == tandem::detail::StepVerdict::regrouped);
+  CHECK(record.step == taken + 1);
+  CHECK(record.regrouped_steps == 3);
   control.prepare(be, groups.size(), {}, u);
   record = control.record(be, u);
   CHECK(record.verdict == tandem::detail::StepVerdict::update);
   CHECK(record.step == taken + 2);
-  CHECK(record.regrouped_steps == 2);
+  CHECK(record.regrouped_steps == 3);
   control.set_step(be, 4, 0, u);  // a load keeps the tally, as the others
-  CHECK(control.record(be, u).regrouped_steps == 2);
+  CHECK(control.record(be, u).regrouped_steps == 3);
 }
 
 TEST_CASE("all_gather_words has run its copy of the caller's words when a collective throws") {

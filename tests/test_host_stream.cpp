@@ -36,6 +36,30 @@ struct Task {
 template <class F>
 Task(F) -> Task<F>;
 
+/// A gate that work on a stream waits at (pass()) until the test opens it (release()), once `free_passes` have gone
+/// through; bounded, so that a stream protocol that waits for the work where it must not fails the test instead of
+/// hanging it. GatedComm holds collectives of one kind at it.
+struct Gate {
+  enum class Holds { reductions, gathers } holds = Holds::reductions;
+  int free_passes = 0;
+  std::mutex mutex;
+  std::condition_variable opened;
+  bool open = false;
+  std::atomic<int> passed{0};
+  void pass() {
+    std::unique_lock lock(mutex);
+    if (passed >= free_passes) opened.wait_for(lock, 10s, [this] { return open; });
+    ++passed;
+  }
+  void release() {
+    {
+      const std::lock_guard lock(mutex);
+      open = true;
+    }
+    opened.notify_all();
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a HostStream runs its work in order, after the delays, on its own thread") {
@@ -160,6 +184,66 @@ TEST_CASE("a capture records work without running it; each replay runs it again,
   CHECK(order.back() == 4);
 }
 
+TEST_CASE("a replay runs in the capturing stream's order alone, as a CUDA graph: not in the joined streams' orders") {
+  // The joined stream's part of a replay waits neither for the work enqueued on the joined stream before the replay
+  // nor holds up the work enqueued there after it; a failure in it reaches the capturing stream, not the joined one.
+  // (The stand-in replayed the part on the joined stream itself, in its order: stricter than CUDA, and so blind to a
+  // missing event between the capturing stream and work on the joined stream.)
+  tandem::HostStream origin({.max_delay = 200us, .seed = 7}), side({.max_delay = 200us, .seed = 8});
+  const tandem::StreamHostBackend backend;
+  std::atomic<int> joined_part{0};
+  std::atomic<bool> fail{false};
+  origin.begin_capture();
+  tandem::HostEvent fork, join;
+  backend.record(fork, origin.stream());
+  backend.wait(side.stream(), fork);
+  backend.launch(1, Task{[&] {
+                   if (fail) throw std::runtime_error("the joined part failed");
+                   ++joined_part;
+                 }},
+                 side.stream());
+  backend.record(join, side.stream());
+  backend.wait(origin.stream(), join);
+  const tandem::HostGraph graph = origin.end_capture();
+  {
+    Gate gate;  // work held on the joined stream does not hold up the replay
+    std::atomic<bool> held_done{false};
+    backend.launch(1, Task{[&] {
+                     gate.pass();
+                     held_done = true;
+                   }},
+                   side.stream());
+    graph.replay();
+    origin.synchronize();
+    CHECK(joined_part == 1);
+    CHECK(!held_done);  // (else the replay waited for the gate to time out)
+    gate.release();
+    side.synchronize();
+  }
+  {
+    Gate gate;  // a held replay does not hold up later work on the joined stream
+    std::atomic<bool> held_done{false};
+    backend.launch(1, Task{[&] {
+                     gate.pass();
+                     held_done = true;
+                   }},
+                   origin.stream());
+    graph.replay();
+    int seen = -1;
+    backend.launch(1, Task{[&] { seen = joined_part; }}, side.stream());
+    side.synchronize();
+    CHECK(seen == 1);  // before the held replay's joined part
+    CHECK(!held_done);
+    gate.release();
+    origin.synchronize();
+    CHECK(joined_part == 2);
+  }
+  fail = true;
+  graph.replay();
+  CHECK_THROWS_WITH_AS(origin.synchronize(), doctest::Contains("the joined part failed"), std::runtime_error);
+  side.synchronize();  // the joined stream has not failed
+}
+
 TEST_CASE("a capturing stream, or one that joined the capture, cannot wait on an event recorded outside it") {
   // CUDA refuses it (cudaErrorStreamCaptureIsolation); the stand-in accepted it, and replayed the wait.
   tandem::HostStream a, b, c;
@@ -262,6 +346,35 @@ TEST_CASE("LocalComm enqueues its collectives on a HostStream, in call order") {
   });
 }
 
+TEST_CASE(
+    "a replayed collective takes its place among the rank's others at the replay, as NCCL's at a graph's launch") {
+  // Each rank captures an all-reduce on one stream. Rank 0 holds that stream at a gate, replays the capture, and then
+  // calls an all-gather on another stream; rank 1 does the same without a gate. Called after the replay, the
+  // all-gather runs after the replayed all-reduce on both ranks, so the ranks' collectives pair up. (Replayed out of
+  // the rank's order, rank 0's all-gather would meet rank 1's all-reduce, and LocalComm would throw a mismatch.)
+  tandem::LocalGroup group(2);
+  group.run([&](tandem::LocalComm& comm) {
+    tandem::HostStream captured, other;
+    const tandem::StreamHostBackend backend;
+    const float mine = float(comm.rank() + 1);
+    float sum = 0.0f;
+    std::vector<float> all(2, 0.0f);
+    captured.begin_capture();
+    comm.all_reduce(&mine, &sum, 1, tandem::DType::fp32, tandem::ReduceOp::sum, captured.stream());
+    const tandem::HostGraph graph = captured.end_capture();
+    Gate gate;
+    if (comm.rank() == 0) backend.launch(1, Task{[&] { gate.pass(); }}, captured.stream());
+    graph.replay();
+    comm.all_gather(&mine, all.data(), 1, tandem::DType::fp32, other.stream());
+    std::this_thread::sleep_for(20ms);  // time for an all-gather out of order to run first
+    gate.release();
+    other.synchronize();
+    CHECK(sum == 3.0f);  // the all-gather ran after the replay's all-reduce
+    CHECK(all == std::vector<float>{1.0f, 2.0f});
+    captured.synchronize();
+  });
+}
+
 TEST_CASE("a rank that throws with collectives still queued on its stream: run() rethrows, nothing dangles") {
   std::vector<std::unique_ptr<tandem::HostStream>> streams;  // outlive run(): their queued work must not
   for (int r = 0; r < 3; ++r) streams.push_back(std::make_unique<tandem::HostStream>());
@@ -335,29 +448,6 @@ TEST_CASE_TEMPLATE("grad_ready for every tensor, then more work on the user's st
 }
 
 namespace {
-
-/// A gate the comm stream's collectives of one kind wait at until the test opens it, once `free_passes` have gone
-/// through (bounded: a stream protocol that waits for them where it must not fails the test instead of hanging it).
-struct Gate {
-  enum class Holds { reductions, gathers } holds = Holds::reductions;
-  int free_passes = 0;
-  std::mutex mutex;
-  std::condition_variable opened;
-  bool open = false;
-  std::atomic<int> passed{0};
-  void pass() {
-    std::unique_lock lock(mutex);
-    if (passed >= free_passes) opened.wait_for(lock, 10s, [this] { return open; });
-    ++passed;
-  }
-  void release() {
-    {
-      const std::lock_guard lock(mutex);
-      open = true;
-    }
-    opened.notify_all();
-  }
-};
 
 /// LocalComm whose fp32 all-reduces and reduce-scatters (the gradients'), or fp32 all-gathers (the parameters'),
 /// first wait at the gate, on their stream.

@@ -288,11 +288,19 @@ TEST_CASE("PrepareStepBody: the step count advances, each group's scalars, and t
   CHECK(record.non_finite_steps == 5);
   CHECK(record.refused_steps == 6);
   CHECK(record.regrouped_steps == 9);
-  launch(in_use, {.average = 1.0f, .lanes = same.data(), .world = 3});
+  // Made for the grouping in use, but stale on another rank (the ranks' stale lanes sum to more than 0): the same
+  double stale = 1.0;
+  launch(in_use, {.average = 1.0f, .lanes = same.data(), .stale = &stale, .world = 3});
+  CHECK(step == 48);
+  CHECK(skip == 1);
+  CHECK(record.verdict == StepVerdict::regrouped);
+  CHECK(tallies == std::array<std::uint64_t, 3>{5, 6, 10});
+  stale = 0.0;
+  launch(in_use, {.average = 1.0f, .lanes = same.data(), .stale = &stale, .world = 3});
   CHECK(step == 49);
   CHECK(skip == 0);
   CHECK(record.verdict == StepVerdict::update);
-  CHECK(tallies == std::array<std::uint64_t, 3>{5, 6, 9});
+  CHECK(tallies == std::array<std::uint64_t, 3>{5, 6, 10});
 }
 
 TEST_CASE_TEMPLATE("update bodies leave every array as it is where the skip word is set", Opt, tandem::AdamW,

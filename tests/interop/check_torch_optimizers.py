@@ -25,7 +25,8 @@ torch.optim.AdamW or torch.optim.SGD, with the options this script states (GROUP
 "The same" is within a relative difference (the largest difference over the largest magnitude of each array) of
 TOLERANCE: the two sides round differently (torch's AdamW divides by sqrt(bias correction) where tandem multiplies
 by its inverse, and sums the norm in float32 where tandem sums in double). The largest difference found is printed.
-Exit 77 (ctest: skipped) where PyTorch or NumPy is not installed.
+Exit 77 where PyTorch or NumPy is not installed: ctest reports skipped, or failed where TANDEM_TORCH_PYTHON named
+this Python.
 """
 import json
 import os
@@ -38,7 +39,7 @@ try:
     import numpy as np
     import torch
 except ImportError as e:
-    print(f"check_torch_optimizers.py: skipped: {e} (Debian: python3-torch)")
+    print(f"check_torch_optimizers.py: cannot run: {e} (Debian: python3-torch)")
     sys.exit(77)
 
 TOLERANCE = 2e-6

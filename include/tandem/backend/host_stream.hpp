@@ -17,8 +17,12 @@
 //                       Synchronizing or reading a capturing stream throws, as CUDA refuses it, and so does a wait of a
 //                       capturing stream on a record made outside the capture (a dependency across its boundary: CUDA's
 //                       cudaErrorStreamCaptureIsolation, unless the wait is marked external). HostGraph::replay()
-//                       enqueues the recorded work again on the same streams, with fresh events between them
-//                       (cudaGraphLaunch): the host's stand-in for a step captured in a CUDA graph.
+//                       enqueues the recorded work again, with fresh events between its streams (cudaGraphLaunch):
+//                       the capturing stream's part on the capturing stream, each joined stream's part on a stream of
+//                       the graph's own. So a replay is ordered in the capturing stream's order alone, as a CUDA graph
+//                       is: after the work enqueued on the capturing stream before it, before the work enqueued there
+//                       after it, and neither after nor before other work on the streams that joined the capture. The
+//                       host's stand-in for a step captured in a CUDA graph.
 //   StreamHostBackend   HostBackend's operations (copy, zero, launch, sum_to, read) enqueued on a stream; buffers are
 //                       freed in stream order (cudaFreeAsync), poisoned with 0xFF bytes (NaN) when allocated and
 //                       again just before they are freed, so reading uninitialised or freed memory shows.
@@ -118,12 +122,13 @@ class HostEventRecord {
 /// each on its stream; event records and waits between the streams are numbered, so that a replay makes fresh ones.
 struct HostCapture {
   struct Step {
-    enum class Kind { op, record, wait };
+    enum class Kind { op, record, wait, issue };
     HostStream* stream = nullptr;
     Kind kind = Kind::op;
     std::function<void(const std::exception_ptr&)> op;  ///< Kind::op: the operation, given the stream's error
     bool always = false;                                ///< Kind::op: runs after a failure too (enqueue_always)
     std::size_t record = 0;                             ///< Kind::record, Kind::wait: the capture's record number
+    std::function<void(Stream)> issue;                  ///< Kind::issue: called at each replay (HostStream::issue)
   };
   HostStream* origin = nullptr;
   std::vector<HostStream*> streams;  ///< origin first, then the streams that joined
@@ -145,6 +150,13 @@ struct HostCapture {
     step.always = always;
     steps.push_back(std::move(step));
   }
+  void add_issue(HostStream* stream, std::function<void(Stream)> issue) {
+    Step step;
+    step.stream = stream;
+    step.kind = Step::Kind::issue;
+    step.issue = std::move(issue);
+    steps.push_back(std::move(step));
+  }
 };
 
 /// An event: its most recent record (none before the first).
@@ -160,12 +172,7 @@ class HostGraph;
 /// A host "stream": a worker thread running enqueued operations in order (see the top of this file).
 class HostStream {
  public:
-  explicit HostStream(HostStreamOptions options = {})
-      : options_(options),
-        random_(options.seed ^ (detail::next_host_stream_serial() * 0xd1b54a32d192ed03ull)),
-        rank_(detail::error_rank()) {
-    worker_ = std::thread([this] { work(); });
-  }
+  explicit HostStream(HostStreamOptions options = {}) : HostStream(options, detail::error_rank(), Role::user) {}
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
   /// Runs what is queued, then stops the worker. An error nobody synchronized on is logged.
@@ -176,7 +183,7 @@ class HostStream {
     }
     queued_.notify_all();
     worker_.join();
-    if (failure_ && !failure_seen_)
+    if (failure_ && !failure_seen_ && role_ == Role::user)
       std::fprintf(stderr, "tandem: a HostStream was destroyed with an error nobody read: %s\n",
                    detail::exception_message(failure_).c_str());
   }
@@ -196,6 +203,21 @@ class HostStream {
   /// waits, and frees, which must happen whatever came before.
   void enqueue_always(std::function<void(const std::exception_ptr&)> op) { push(std::move(op), Admit::always); }
 
+  /// Calls call(stream()) now, on the calling thread, to enqueue work there: for a library that orders its operations
+  /// when they are issued, whatever their stream, as NCCL orders a communicator's (LocalComm does so with an event
+  /// chain). During a capture the call is recorded instead, and each replay makes it, at its place among the captured
+  /// steps, with the stream that replays this stream's part: NCCL orders a graph's operations at the graph's launch.
+  void issue(std::function<void(Stream)> call) {
+    {
+      std::lock_guard lock(mutex_);
+      if (capture_ != nullptr) {
+        capture_->add_issue(this, std::move(call));
+        return;
+      }
+    }
+    call(stream());
+  }
+
   /// Blocks until every operation enqueued so far has run; throws the stream's error, or tandem::error while the
   /// stream is capturing (nothing it recorded has run).
   void synchronize() {
@@ -212,6 +234,16 @@ class HostStream {
  private:
   using Op = std::function<void(const std::exception_ptr&)>;
   enum class Admit { unless_failed, always };
+  /// A graph's stream runs a joined stream's part of its replays; its error reaches the capturing stream through the
+  /// event it rejoins by, and is read there, so it is not logged again.
+  enum class Role { user, graph };
+  HostStream(HostStreamOptions options, int rank, Role role)
+      : options_(options),
+        random_(options.seed ^ (detail::next_host_stream_serial() * 0xd1b54a32d192ed03ull)),
+        rank_(rank),
+        role_(role) {
+    worker_ = std::thread([this] { work(); });
+  }
   friend class HostEvent;
   friend class HostGraph;
 
@@ -321,6 +353,7 @@ class HostStream {
   HostStreamOptions options_;
   std::uint64_t random_;  // the worker's alone
   int rank_;
+  Role role_;
   std::mutex mutex_;
   std::condition_variable queued_, drained_;
   std::deque<Op> queue_;
@@ -352,20 +385,25 @@ class HostStream {
   HostGraph end_capture();
 };
 
-/// Work captured on HostStreams (HostStream::end_capture), to be replayed.
+/// Work captured on HostStreams (HostStream::end_capture), to be replayed. Copies share the graph.
 class HostGraph {
  public:
-  /// Enqueues the captured work again on the streams it was captured on, each stream's steps in their order, with a
-  /// fresh record for every event record made during the capture: on the capturing stream after what was enqueued on
-  /// it before, and on a joined stream after the capturing stream's record it first waited on.
+  /// Enqueues the captured work again (cudaGraphLaunch), with a fresh record for every event record made during the
+  /// capture: the capturing stream's steps on it, after what was enqueued there before; each joined stream's steps, in
+  /// their order, on a stream of the graph's own (with the joined stream's delays and rank), after the capturing
+  /// stream's record it first waited on. Later work on the capturing stream waits for the whole replay (every joined
+  /// stream rejoined it); work on the streams that joined neither waits for it nor holds it up, as with a CUDA graph.
   void replay() const {
     std::vector<std::shared_ptr<detail::HostEventRecord>> records(capture_->records);
     for (auto& r : records) r = std::make_shared<detail::HostEventRecord>();
-    for (const detail::HostCapture::Step& step : capture_->steps) {
+    for (std::size_t i = 0; i < capture_->steps.size(); ++i) {
+      const detail::HostCapture::Step& step = capture_->steps[i];
       using Kind = detail::HostCapture::Step::Kind;
-      HostStream& q = *step.stream;
+      HostStream& q = *streams_->of_step[i];
       if (step.kind == Kind::op)
         q.push(step.op, step.always ? HostStream::Admit::always : HostStream::Admit::unless_failed);
+      else if (step.kind == Kind::issue)
+        step.issue(q.stream());
       else if (step.kind == Kind::record)
         q.enqueue_always([r = records[step.record]](const std::exception_ptr& failed) { r->reach(failed); });
       else
@@ -380,8 +418,25 @@ class HostGraph {
 
  private:
   friend class HostStream;
-  explicit HostGraph(std::shared_ptr<const detail::HostCapture> capture) : capture_(std::move(capture)) {}
+  /// The streams replays run on: the graph's own, one per joined stream, and each step's.
+  struct Streams {
+    std::vector<std::unique_ptr<HostStream>> own;
+    std::vector<HostStream*> of_step;
+  };
+  explicit HostGraph(std::shared_ptr<const detail::HostCapture> capture)
+      : capture_(std::move(capture)), streams_(std::make_shared<Streams>()) {
+    const std::vector<HostStream*>& captured = capture_->streams;  // the capturing stream first
+    std::vector<HostStream*> replayed{captured[0]};
+    for (std::size_t k = 1; k < captured.size(); ++k) {
+      streams_->own.emplace_back(new HostStream(captured[k]->options_, captured[k]->rank_, HostStream::Role::graph));
+      replayed.push_back(streams_->own.back().get());
+    }
+    for (const detail::HostCapture::Step& step : capture_->steps)
+      streams_->of_step.push_back(replayed[static_cast<std::size_t>(
+          std::find(captured.begin(), captured.end(), step.stream) - captured.begin())]);
+  }
   std::shared_ptr<const detail::HostCapture> capture_;
+  std::shared_ptr<Streams> streams_;
 };
 
 inline HostGraph HostStream::end_capture() {

@@ -708,7 +708,8 @@ class LocalGroup;
 /// and not after the body returned. A collective given Stream{} completes before it returns; one given a HostStream
 /// (backend/host_stream.hpp) is enqueued on it, as NCCL's are on a CUDA stream, and runs on its worker. Either way the
 /// rank's collectives run in the order it called them (a collective waits for the previous one, whatever stream that
-/// was on), and the body's end waits for the last one.
+/// was on), and the body's end waits for the last one. A collective captured on a HostStream takes its place in that
+/// order at each replay of the capture, as NCCL orders a graph's operations at the graph's launch.
 class LocalComm {
  public:
   LocalComm(const LocalComm&) = delete;
@@ -746,20 +747,18 @@ class LocalComm {
       collective(kind, send, recv, count, dtype, op, root);
       return;
     }
-    // A collective captured on the stream (HostStream::begin_capture) runs in the capture's replays, ordered by that
-    // stream, as NCCL's are: it cannot wait on a record made outside the capture (CUDA refuses such a wait), and an
-    // event recorded in the capture could not be waited on after it, so the chain starts afresh.
-    const bool capturing = queue->capturing();
-    if (!capturing) previous_.wait_on(stream);
-    queue->enqueue([this, kind, send, recv, count, dtype, op, root] {
-      detail::error_rank() = rank_;
-      collective(kind, send, recv, count, dtype, op, root);
+    // Issued now, or, captured on the stream (HostStream::begin_capture), at each replay of the capture, in the
+    // chain of this rank's collectives as it is then: NCCL orders a graph's operations among the communicator's others
+    // at the graph's launch.
+    queue->issue([this, kind, send, recv, count, dtype, op, root](Stream on) {
+      previous_.wait_on(on);
+      detail::host_queue(on)->enqueue([this, kind, send, recv, count, dtype, op, root] {
+        detail::error_rank() = rank_;
+        collective(kind, send, recv, count, dtype, op, root);
+      });
+      queued_ = true;
+      previous_.record(on);
     });
-    queued_ = true;
-    if (capturing)
-      previous_ = HostEvent{};
-    else
-      previous_.record(stream);
   }
 
   /// Waits until this rank's enqueued collectives have run; rethrows the error of the stream that ran the last one.

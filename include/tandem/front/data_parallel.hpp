@@ -358,6 +358,7 @@ class DataParallel {
   /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
   bool all_ranks_have_batch(Batch mine) {
     check_live("all_ranks_have_batch");
+    if (options_.step_report == StepReport::deferred) refuse_host_wait_in_capture("all_ranks_have_batch");
     const std::uint64_t taken =
         windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
     // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
@@ -413,6 +414,7 @@ class DataParallel {
   /// load_checkpoint returns it; every rank must give the same, as the same optimizer options (which must be valid).
   TANDEM_COLD void save_checkpoint(const std::string& dir, const CheckpointMetadata& metadata = {}) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
+    refuse_host_wait_in_capture("save_checkpoint");
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) +
@@ -566,6 +568,7 @@ class DataParallel {
       try {
         check_no_open_bucket("load_checkpoint");
         check_no_open_parameters("load_checkpoint");
+        refuse_host_wait_in_capture("load_checkpoint");
         looked = true;
         hook(detail::LoadPhase::reading);
         if (std::filesystem::is_directory(path)) {
@@ -899,9 +902,12 @@ class DataParallel {
   /// between ranks, replays of a step captured before the optimizer groups changed). Not collective: every rank's
   /// device made the same verdicts, so the ranks that ask throw alike, but only they do; all_ranks_have_batch() and
   /// save_checkpoint() throw on every rank for the refusals they have not reported together, whichever ranks called
-  /// last_step() since. Before the first optimizer step, and after a load, `updated` and `skipped` are false.
+  /// last_step() since. Before the first optimizer step, and after a load, `updated` and `skipped` are false. Refused
+  /// while the user's stream is capturing (a host wait), as save_checkpoint, load_checkpoint and, under deferred,
+  /// all_ranks_have_batch() are.
   StepResult last_step() {
     check_live("last_step()");
+    refuse_host_wait_in_capture("last_step()");
     return report_latest("last_step()", Reach::rank);
   }
   int micro_step() const { return micro_; }
@@ -1218,6 +1224,16 @@ class DataParallel {
     DataParallel& dp_;
     Exit exit_;
   };
+
+  /// Throws where the user's stream is capturing, before `call` issues anything: it waits on the host for the streams'
+  /// work (the step's record, the state it saves or restores), which a CUDA graph cannot hold (CUDA refuses the wait
+  /// and ends the capture), so that the capture stays as it was.
+  void refuse_host_wait_in_capture(const char* call) const {
+    if (backend_.capturing(options_.stream))
+      detail::fail(std::string("tandem: ") + call +
+                   " while the user's stream is capturing: it waits on the host for the streams' work, which a "
+                   "captured graph cannot hold; call it between captures (docs/cuda.md, \"Capturing a step\")");
+  }
 
   /// Throws where the user's stream is capturing a pass that uses tandem's reused buffers (GradientSharded's gradient
   /// slots, ParameterSharded's gather buffers): the pass would wait on their events from before the capture, which
@@ -1767,18 +1783,20 @@ class DataParallel {
   // ---- the optimizer step ---------------------------------------------------------------------------------
 
   /// Doubles of the optimizer step's scalars: the norm's terms (one per owned shard and bucket), their total, and the
-  /// options check's lanes.
+  /// lanes of the options check and of the grouping's (StepControl::step_lanes).
   std::size_t step_scalars_size() const {
-    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 + detail::WordAgreement::lanes;
+    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 +
+           detail::StepControl<Opt, Backend>::step_lanes_size;
   }
 
   /// The optimizer step's one scalar all-reduce, in backend memory, and what PrepareStepBody decides from. It carries
   /// the optimizer options' fingerprint (detail::WordAgreement's lanes: options changed through optimizer_options() on
   /// some ranks only are found before anything is updated, at no collective of their own where the norm is reduced
-  /// anyway) and, when `norm`, the squared global gradient norm: sum over ranks r (in rank order) of the sum over
-  /// buckets b (in bucket order) of shard (b, r)'s sum of squares. A rank that owns every shard (replicated state)
-  /// computes every term itself in that order; a rank that owns one computes its own, and the all-reduce adds them in
-  /// rank order. Either way the norm is bitwise the same under every policy.
+  /// anyway), whether any rank's step is of optimizer groups replaced since (a replay of a step captured before them:
+  /// every rank then refuses it) and, when `norm`, the squared global gradient norm: sum over ranks r (in rank order)
+  /// of the sum over buckets b (in bucket order) of shard (b, r)'s sum of squares. A rank that owns every shard
+  /// (replicated state) computes every term itself in that order; a rank that owns one computes its own, and the
+  /// all-reduce adds them in rank order. Either way the norm is bitwise the same under every policy.
   ///
   /// The terms are combined in backend memory in that order (OrderedSumBody) and all-reduced there with the lanes; the
   /// result stays there, for PrepareStepBody. With one rank and no norm nothing runs.
@@ -1807,12 +1825,16 @@ class DataParallel {
       checks.sum_of_squares = total;
     }
     if (check) {
-      // the lanes of the options stored last, in stream order: a captured step checks those stored before each replay
-      backend_.copy(total + 1, control_.lanes(), lanes * sizeof(double), work_stream());
+      // the lanes of the options stored last, in stream order (a captured step checks those stored before each replay),
+      // and whether this rank's step is of a grouping replaced since (a replay captured before): any rank's refuses
+      // the step on every rank
+      control_.step_lanes(backend_, total + 1, work_stream());
       const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
       double* first = with_total ? total : total + 1;
-      comm_.all_reduce(first, first, lanes + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum, work_stream());
+      comm_.all_reduce(first, first, detail::StepControl<Opt, Backend>::step_lanes_size + (with_total ? 1 : 0),
+                       DType::fp64, ReduceOp::sum, work_stream());
       checks.lanes = total + 1;
+      checks.stale = total + 1 + lanes;
     }
     return checks;
   }
@@ -1871,8 +1893,9 @@ class DataParallel {
     if (regrouped > 0)
       refusal(std::to_string(regrouped) +
               " replay(s) of a step captured before the optimizer groups changed updated nothing: "
-              "set_optimizer_groups or load_checkpoint changed their count or assignment since the capture, and the "
-              "captured launches are those of the groups before (the step count is now " +
+              "set_optimizer_groups or load_checkpoint changed their count or assignment since the capture (on this "
+              "rank, or on another, whose stale replay every rank refuses with it), and the captured launches are "
+              "those of the groups before (the step count is now " +
               std::to_string(r.step) + "); capture the step again after such a change (docs/cuda.md)");
     if (refused > 0)
       refusal("the ranks' optimizer options differ at " + where(refused) +

@@ -196,6 +196,7 @@ struct StepChecks {
   float average = 1.0f;                    ///< the averaging the gradients' factor applies
   float max_grad_norm = 0.0f;              ///< > 0: clip to it
   const double* lanes = nullptr;  ///< WordAgreement's lanes of the options' fingerprint summed over ranks (null: none)
+  const double* stale = nullptr;  ///< StepLanesBody's stale lane summed over ranks (null: none)
   int world = 1;                  ///< the ranks the lanes were summed over
   bool skip_non_finite = false;   ///< a non-finite norm skips the update (NonFinite::skip_step and throw_error)
 };
@@ -211,10 +212,29 @@ struct StepRecord {
   std::uint64_t regrouped_steps = 0;   ///< steps whose verdict was regrouped so far (0 where not counted)
 };
 
+/// The lanes an optimizer step all-reduces besides the norm's (more than one rank), written on the stream (one item,
+/// lane 0): the optimizer options' fingerprint lanes last stored (WordAgreement), then 1 where this rank's launches are
+/// of optimizer groups replaced since (*grouping, the grouping in use, is not launched_grouping, the one they were made
+/// for: a replay of a step captured before the groups' count or assignment changed), else 0. Summed over the ranks,
+/// the last lane tells every rank whether any rank's step is stale, so that every rank refuses it alike.
+struct StepLanesBody {
+  const double* options_lanes = nullptr;
+  const std::uint64_t* grouping = nullptr;
+  std::uint64_t launched_grouping = 0;
+  double* out = nullptr;  ///< WordAgreement::lanes + 1 doubles
+
+  TANDEM_HD void operator()(std::size_t, unsigned lane, unsigned) const {
+    if (lane != 0) return;
+    for (std::size_t k = 0; k < WordAgreement::lanes; ++k) out[k] = options_lanes[k];
+    out[WordAgreement::lanes] = *grouping != launched_grouping ? 1.0 : 0.0;
+  }
+};
+
 /// An optimizer step's decision and scalars, made in backend memory on the stream (one item, lane 0), where the update
-/// bodies read them. The verdict: the step's launches must be of the optimizer groups in use (*grouping, where not
-/// null, equal to launched_grouping: the grouping when they were made; a replay of a step captured before the groups'
-/// count or assignment changed fails it), then the options' lanes must agree (WordAgreement), then a non-finite norm
+/// bodies read them. The verdict: the step's launches must be of the optimizer groups in use on every rank (*grouping,
+/// where not null, equal to launched_grouping: the grouping when they were made; a replay of a step captured before the
+/// groups' count or assignment changed fails it; and checks.stale, where not null, 0: no rank's failed it), then the
+/// options' lanes must agree (WordAgreement), then a non-finite norm
 /// skips the update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update
 /// bodies then leave every array as it is. On an update the step count advances by one, the gradients' factor
 /// *grad_scale becomes average times the clip coefficient of the squared norm (1 without clipping), and each group's
@@ -241,7 +261,7 @@ struct PrepareStepBody {
     StepRecord r;
     const double* sum = checks.sum_of_squares;
     if (sum != nullptr) r.grad_norm = grad_norm(*sum, checks.average);
-    if (grouping != nullptr && *grouping != launched_grouping)
+    if ((grouping != nullptr && *grouping != launched_grouping) || (checks.stale != nullptr && *checks.stale != 0.0))
       r.verdict = StepVerdict::regrouped;
     else if (checks.lanes != nullptr && !WordAgreement::agree(checks.lanes, checks.world))
       r.verdict = StepVerdict::options_differ;

@@ -22,7 +22,9 @@
 //   record       StepRecord      the current step's norm, clip coefficient, verdict and step count
 //   options[g]   Opt::Options    group g's options, as last stored (by a step, or by store_options)
 //   lanes        fp64[4]         their fingerprint's WordAgreement lanes, stored with them (more than one rank), which
-//                                each step all-reduces: a captured step checks the options stored before each replay
+//                                each step all-reduces (step_lanes), with a lane that says whether the step's launches
+//                                are of the grouping in use: a captured step checks the options stored before each
+//                                replay, and every rank refuses a replay that is stale on any rank
 //   scalars[g]   Opt::Scalars    group g's per-step scalars of the current step
 #pragma once
 
@@ -160,6 +162,18 @@ class StepControl {
                    s);
   }
 
+  /// The lanes a step all-reduces besides the norm (more than one rank; StepLanesBody) written to out[0, 5) on stream
+  /// s: the options' lanes last stored, and 1 where this step's launches are of a grouping replaced since, else 0.
+  void step_lanes(const Backend& backend, double* out, Stream s) const {
+    backend.launch(1,
+                   StepLanesBody{.options_lanes = lanes_.data(),
+                                 .grouping = counts_.data() + grouping_word,
+                                 .launched_grouping = grouping_,
+                                 .out = out},
+                   s);
+  }
+  static constexpr std::size_t step_lanes_size = WordAgreement::lanes + 1;
+
   /// The record of the last step prepared (or of set_step), read back (waits for stream s).
   StepRecord record(const Backend& backend, Stream s) const {
     StepRecord r;
@@ -170,8 +184,6 @@ class StepControl {
   /// Group g's Scalars and the gradients' factor of the step prepare() made (backend memory).
   const Scalars* scalars(std::size_t g) const { return scalars_.data() + g; }
   const float* grad_scale() const { return grad_scale_.data(); }
-  /// The options' fingerprint lanes last stored (backend memory), the options check's input.
-  const double* lanes() const { return lanes_.data(); }
   /// Nonzero where the step prepare() decided on does not update (backend memory).
   const std::uint32_t* skip() const { return skip_.data(); }
 
