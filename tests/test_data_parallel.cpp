@@ -661,6 +661,37 @@ TEST_CASE_TEMPLATE("replays of a captured step after a load read the options the
   std::filesystem::remove_all(groups_dir);
 }
 
+namespace {
+
+/// Two tensors of a quadratic problem under DataParallel on the stream-faithful backend, the user's work on a stream
+/// of its own: an optimizer step is the gradient computed on that stream, then step(); capture() records one.
+template <class Policy>
+struct TwoTensorSteps {
+  static constexpr std::size_t n = 3000, half = n / 2;
+  QuadraticProblem problem{n};
+  tandem::HostStream user;
+  tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp;
+  tandem::StreamHostBackend launcher;
+  TwoTensorSteps(tandem::LocalComm& comm, tandem::StepReport report)
+      : dp(comm,
+           {{"a", problem.w.data(), problem.g.data(), half},
+            {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
+           {.lr = 1e-2f}, {.bucket_cap_bytes = 4096, .step_report = report, .stream = user.stream()}) {
+    dp.broadcast_parameters();
+  }
+  void optimizer_step() {
+    launcher.launch(1, problem.gradient(), user.stream());
+    dp.step();
+  }
+  tandem::HostGraph capture() {
+    user.begin_capture();
+    optimizer_step();
+    return user.end_capture();
+  }
+};
+
+}  // namespace
+
 TEST_CASE_TEMPLATE(
     "replays of a step captured before the optimizer groups' count or assignment changed update nothing, and the next "
     "report says so; captured again, the step replays to the bits of eager steps",
@@ -672,32 +703,17 @@ TEST_CASE_TEMPLATE(
   // captured anew continues as the eager run. set_optimizer_groups with the same count and assignment keeps the
   // captured step: its replays go on, with the options it stored. Two ranks step under StepReport::deferred (a step
   // that reads cannot be captured), and both throw alike.
-  constexpr std::size_t n = 3000, half = n / 2;
+  constexpr std::size_t n = TwoTensorSteps<Policy>::n;
   auto train = [&](int world, bool captured) {
     std::vector<float> trained;
     const std::string dir = test::temp_path("regrouped_capture");
     tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
-      QuadraticProblem problem(n);
-      tandem::HostStream user;
-      tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
-          comm,
-          {{"a", problem.w.data(), problem.g.data(), half},
-           {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
-          {.lr = 1e-2f},
-          {.bucket_cap_bytes = 4096,
-           .step_report = world > 1 ? tandem::StepReport::deferred : tandem::StepReport::at_step,
-           .stream = user.stream()});
-      dp.broadcast_parameters();
-      const tandem::StreamHostBackend launcher;
-      auto optimizer_step = [&] {
-        launcher.launch(1, problem.gradient(), user.stream());
-        dp.step();
-      };
-      auto capture = [&] {
-        user.begin_capture();
-        optimizer_step();
-        return user.end_capture();
-      };
+      TwoTensorSteps<Policy> t(comm, world > 1 ? tandem::StepReport::deferred : tandem::StepReport::at_step);
+      QuadraticProblem& problem = t.problem;
+      tandem::HostStream& user = t.user;
+      auto& dp = t.dp;
+      auto optimizer_step = [&] { t.optimizer_step(); };
+      auto capture = [&] { return t.capture(); };
       tandem::AdamWOptions other = dp.optimizer_options();
       other.lr = 5e-3f;
       other.weight_decay = 0.0f;
@@ -786,44 +802,26 @@ TEST_CASE_TEMPLATE(
     Policy, tandem::Replicated, tandem::OptimizerSharded, tandem::GradientSharded) {
   // Each rank's stale lane rides the step's scalar all-reduce, so that the ranks reach one verdict: the rank whose own
   // step is current would otherwise update alone, and the ranks' parameters part.
-  constexpr std::size_t n = 3000, half = n / 2;
   tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
-    QuadraticProblem problem(n);
-    tandem::HostStream user;
-    tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp(
-        comm,
-        {{"a", problem.w.data(), problem.g.data(), half},
-         {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
-        {.lr = 1e-2f},
-        {.bucket_cap_bytes = 4096, .step_report = tandem::StepReport::deferred, .stream = user.stream()});
-    dp.broadcast_parameters();
-    const tandem::StreamHostBackend launcher;
-    auto optimizer_step = [&] {
-      launcher.launch(1, problem.gradient(), user.stream());
-      dp.step();
-    };
-    auto capture = [&] {
-      user.begin_capture();
-      optimizer_step();
-      return user.end_capture();
-    };
-    optimizer_step();
-    const tandem::HostGraph before = capture();
+    TwoTensorSteps<Policy> t(comm, tandem::StepReport::deferred);
+    auto& dp = t.dp;
+    t.optimizer_step();
+    const tandem::HostGraph before = t.capture();
     tandem::AdamWOptions other = dp.optimizer_options();
     other.lr = 5e-3f;
     dp.set_optimizer_groups({dp.optimizer_options(), other}, {0, 1});
-    const tandem::HostGraph after = capture();
-    user.synchronize();
-    const std::vector<float> start = problem.w;
+    const tandem::HostGraph after = t.capture();
+    t.user.synchronize();
+    const std::vector<float> start = t.problem.w;
     (comm.rank() == 0 ? before : after).replay();
-    user.synchronize();
-    CHECK(std::memcmp(start.data(), problem.w.data(), n * sizeof(float)) == 0);
+    t.user.synchronize();
+    CHECK(start == t.problem.w);
     CHECK_THROWS_WITH_AS(dp.all_ranks_have_batch(tandem::Batch::available),
                          doctest::Contains("1 replay(s) of a step captured before the optimizer groups changed"),
                          tandem::error);
     after.replay();  // current on both ranks: it updates
-    user.synchronize();
-    CHECK(problem.w != start);
+    t.user.synchronize();
+    CHECK(t.problem.w != start);
     const tandem::StepResult last = dp.last_step();
     CHECK(last.updated);
     CHECK(last.step == 2);

@@ -205,14 +205,18 @@ TEST_CASE("a replay runs in the capturing stream's order alone, as a CUDA graph:
   backend.record(join, side.stream());
   backend.wait(origin.stream(), join);
   const tandem::HostGraph graph = origin.end_capture();
+  // a launch on `on` held at `gate`, which sets `done` when it ends
+  auto held = [&](tandem::HostStream& on, Gate& gate, std::atomic<bool>& done) {
+    backend.launch(1, Task{[&gate, &done] {
+                     gate.pass();
+                     done = true;
+                   }},
+                   on.stream());
+  };
   {
     Gate gate;  // work held on the joined stream does not hold up the replay
     std::atomic<bool> held_done{false};
-    backend.launch(1, Task{[&] {
-                     gate.pass();
-                     held_done = true;
-                   }},
-                   side.stream());
+    held(side, gate, held_done);
     graph.replay();
     origin.synchronize();
     CHECK(joined_part == 1);
@@ -223,11 +227,7 @@ TEST_CASE("a replay runs in the capturing stream's order alone, as a CUDA graph:
   {
     Gate gate;  // a held replay does not hold up later work on the joined stream
     std::atomic<bool> held_done{false};
-    backend.launch(1, Task{[&] {
-                     gate.pass();
-                     held_done = true;
-                   }},
-                   origin.stream());
+    held(origin, gate, held_done);
     graph.replay();
     int seen = -1;
     backend.launch(1, Task{[&] { seen = joined_part; }}, side.stream());
