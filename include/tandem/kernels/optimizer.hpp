@@ -234,14 +234,13 @@ struct StepLanesBody {
 /// bodies read them. The verdict: the step's launches must be of the optimizer groups in use on every rank (*grouping,
 /// where not null, equal to launched_grouping: the grouping when they were made; a replay of a step captured before the
 /// groups' count or assignment changed fails it; and checks.stale, where not null, 0: no rank's failed it), then the
-/// options' lanes must agree (WordAgreement), then a non-finite norm
-/// skips the update where checks.skip_non_finite; *skip becomes 1 unless the verdict is to update, and the update
-/// bodies then leave every array as it is. On an update the step count advances by one, the gradients' factor
-/// *grad_scale becomes average times the clip coefficient of the squared norm (1 without clipping), and each group's
-/// Scalars come from its options and the new count, by the same operations as on the host (Opt::scalars is host+device
-/// code). tallies (if not null) count the steps of each verdict that skips, and *record (if not null) receives the
-/// outcome. So what the updates do depends on no value the host read: the host may read the record before it launches
-/// them, later, or never (docs/cuda.md, "The one host wait").
+/// options' lanes must agree (WordAgreement), then a non-finite norm skips the update where checks.skip_non_finite;
+/// *skip becomes 1 unless the verdict is to update, and the update bodies then leave every array as it is. On an update
+/// the step count advances by one, the gradients' factor *grad_scale becomes average times the clip coefficient of the
+/// squared norm (1 without clipping), and each group's Scalars come from its options and the new count, by the same
+/// operations as on the host (Opt::scalars is host+device code). tallies (if not null) count the steps of each verdict
+/// that skips, and *record (if not null) receives the outcome. So what the updates do depends on no value the host
+/// read: the host may read the record before it launches them, later, or never (docs/cuda.md, "The one host wait").
 template <class Opt>
 struct PrepareStepBody {
   std::uint64_t* step = nullptr;

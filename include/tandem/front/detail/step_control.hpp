@@ -162,8 +162,9 @@ class StepControl {
                    s);
   }
 
-  /// The lanes a step all-reduces besides the norm (more than one rank; StepLanesBody) written to out[0, 5) on stream
-  /// s: the options' lanes last stored, and 1 where this step's launches are of a grouping replaced since, else 0.
+  /// The lanes a step all-reduces besides the norm (more than one rank; StepLanesBody), written to
+  /// out[0, step_lanes_size) on stream s: the options' lanes last stored, and 1 where this step's launches are of a
+  /// grouping replaced since, else 0.
   void step_lanes(const Backend& backend, double* out, Stream s) const {
     backend.launch(1,
                    StepLanesBody{.options_lanes = lanes_.data(),
