@@ -828,6 +828,26 @@ TEST_CASE_TEMPLATE(
   });
 }
 
+TEST_CASE(
+    "a step that reads its verdict (StepReport::at_step, two ranks) refuses a capture by name, and changes nothing") {
+  // Before, its read failed inside the capture, and the state was left damaged (load a checkpoint).
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    TwoTensorSteps<tandem::Replicated> t(comm, tandem::StepReport::at_step);
+    t.optimizer_step();
+    t.user.begin_capture();
+    t.launcher.launch(1, t.problem.gradient(), t.user.stream());
+    CHECK_THROWS_WITH_AS(t.dp.step(),
+                         doctest::Contains("step() while the user's stream is capturing, under "
+                                           "StepReport::at_step"),
+                         tandem::error);
+    (void)t.user.end_capture();  // whole: no stream of tandem's joined it
+    CHECK(t.dp.micro_step() == 0);
+    t.optimizer_step();  // eager steps go on
+    CHECK(t.dp.last_step().updated);
+    CHECK(t.dp.step_count() == 2);
+  });
+}
+
 TEST_CASE_TEMPLATE(
     "a step that checks (two ranks, clipping, non-finite skip) is captured under StepReport::deferred and replays to "
     "the bits of eager steps, a skipped one too",

@@ -257,13 +257,21 @@ class DataParallel {
     issue_completed_buckets();
   }
 
-  /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every
-  /// accumulation_steps-th call reduces the accumulated gradients and runs the optimizer.
+  /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every accumulation_steps-th
+  /// call reduces the accumulated gradients and runs the optimizer. Under StepReport::at_step such an optimizer step
+  /// reads its verdict on the host where it has one to read (the norm, more than one rank): it then refuses a capturing
+  /// user stream, before it issues anything (docs/cuda.md, "Capturing a step").
   StepResult step() {
     check_stepping("step()");
     check_no_open_bucket("step()");
     check_no_open_parameters("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
+    if (boundary && options_.step_report == StepReport::at_step && step_decided() &&
+        backend_.capturing(options_.stream))
+      detail::fail(
+          "tandem: step() while the user's stream is capturing, under StepReport::at_step: this optimizer step reads "
+          "its verdict on the host (for the gradient norm, the non-finite check or the ranks' options check), which a "
+          "captured graph cannot hold; capture it under StepReport::deferred (docs/cuda.md, \"Capturing a step\")");
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
     // the user's stream may still be reading after its last grad_ready. The buckets issued here are packed beside the
     // collectives of those issued before.
@@ -299,7 +307,7 @@ class DataParallel {
     // The device decided (PrepareStepBody), and the updates obey its verdict there. With StepReport::at_step the host
     // reads it back before launching them, to report it (and to launch none for a step that does not update). With
     // one rank and no norm there is nothing to decide: every step updates.
-    const bool decided = norm_checked() || world_ > 1;
+    const bool decided = step_decided();
     std::optional<detail::StepRecord> record;
     try {
       control_.prepare(backend_, groups_.size(), checks, work_stream());
@@ -1857,6 +1865,8 @@ class DataParallel {
 
   /// Whether an optimizer step computes the global norm: for clipping or the non-finite check.
   bool norm_checked() const { return options_.max_grad_norm > 0.0f || options_.non_finite != NonFinite::ignore; }
+  /// Whether an optimizer step has a verdict to decide (PrepareStepBody): with the norm, or the ranks' options check.
+  bool step_decided() const { return norm_checked() || world_ > 1; }
 
   /// Who makes a report: the calling rank alone (last_step()), or every rank at the same point (step() under
   /// StepReport::at_step, all_ranks_have_batch(), save_checkpoint()).
