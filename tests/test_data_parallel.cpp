@@ -837,7 +837,7 @@ TEST_CASE(
     t.user.begin_capture();
     t.launcher.launch(1, t.problem.gradient(), t.user.stream());
     CHECK_THROWS_WITH_AS(t.dp.step(),
-                         doctest::Contains("step() while the user's stream is capturing, under "
+                         doctest::Contains("step() while the user's stream is capturing: under "
                                            "StepReport::at_step"),
                          tandem::error);
     (void)t.user.end_capture();  // whole: no stream of tandem's joined it

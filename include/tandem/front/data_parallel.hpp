@@ -266,12 +266,8 @@ class DataParallel {
     check_no_open_bucket("step()");
     check_no_open_parameters("step()");
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
-    if (boundary && options_.step_report == StepReport::at_step && step_decided() &&
-        backend_.capturing(options_.stream))
-      detail::fail(
-          "tandem: step() while the user's stream is capturing, under StepReport::at_step: this optimizer step reads "
-          "its verdict on the host (for the gradient norm, the non-finite check or the ranks' options check), which a "
-          "captured graph cannot hold; capture it under StepReport::deferred (docs/cuda.md, \"Capturing a step\")");
+    if (boundary && options_.step_report == StepReport::at_step && step_decided())
+      refuse_capture("step()", Uncapturable::verdict_read);
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
     // the user's stream may still be reading after its last grad_ready. The buckets issued here are packed beside the
     // collectives of those issued before.
@@ -366,7 +362,7 @@ class DataParallel {
   /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
   bool all_ranks_have_batch(Batch mine) {
     check_live("all_ranks_have_batch");
-    if (options_.step_report == StepReport::deferred) refuse_host_wait_in_capture("all_ranks_have_batch");
+    if (options_.step_report == StepReport::deferred) refuse_capture("all_ranks_have_batch", Uncapturable::host_wait);
     const std::uint64_t taken =
         windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
     // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
@@ -422,7 +418,7 @@ class DataParallel {
   /// load_checkpoint returns it; every rank must give the same, as the same optimizer options (which must be valid).
   TANDEM_COLD void save_checkpoint(const std::string& dir, const CheckpointMetadata& metadata = {}) {
     check_state_whole("save_checkpoint");  // a half-restored or uninitialized state is no checkpoint
-    refuse_host_wait_in_capture("save_checkpoint");
+    refuse_capture("save_checkpoint", Uncapturable::host_wait);
     if (micro_ != 0)
       detail::fail("tandem: save_checkpoint inside an accumulation window (micro-step " + std::to_string(micro_) +
                    " of " + std::to_string(options_.accumulation_steps) +
@@ -576,7 +572,7 @@ class DataParallel {
       try {
         check_no_open_bucket("load_checkpoint");
         check_no_open_parameters("load_checkpoint");
-        refuse_host_wait_in_capture("load_checkpoint");
+        refuse_capture("load_checkpoint", Uncapturable::host_wait);
         looked = true;
         hook(detail::LoadPhase::reading);
         if (std::filesystem::is_directory(path)) {
@@ -756,7 +752,7 @@ class DataParallel {
                    "): the bucket's gradients are already complete in this micro-step (released, or every tensor "
                    "announced by grad_ready); open each bucket at most once per micro-step");
     if (state_.grad_flat() == nullptr) {  // the bucket's gradients live in a reused slot while it is open
-      refuse_capture("gradients(b)");
+      refuse_capture("gradients(b)", Uncapturable::reused_buffers);
       const std::size_t slot = slots_.acquire(b, next_bucket_);
       try {
         backend_.wait(options_.stream, slot_events_[slot]);  // backward writes after tandem zeroed the buffer
@@ -784,7 +780,7 @@ class DataParallel {
     check_bucket_call(b, "parameters");
     if (open_.parameters[b])
       detail::fail("tandem: parameters(" + std::to_string(b) + "): the bucket's ParameterBucket is already open");
-    if (gathered_.slots() != 0) refuse_capture("parameters(b)");
+    if (gathered_.slots() != 0) refuse_capture("parameters(b)", Uncapturable::reused_buffers);
     wait_pending_parameters(b);  // ParametersReady::by_bucket: the last step's work on b
     Ops ops{*this};
     const void* params = P::open_parameters(ops, b);
@@ -814,7 +810,7 @@ class DataParallel {
     check_stepping("prefetch_parameters(b)");
     check_bucket_call(b, "prefetch_parameters");
     if (gathered_.slots() == 0) return;  // the policy keeps every parameter: nothing is gathered for use
-    refuse_capture("prefetch_parameters(b)");
+    refuse_capture("prefetch_parameters(b)", Uncapturable::reused_buffers);
     std::size_t slot = gathered_.find(b);
     if (slot == detail::GatherSlots::none) slot = gather_into_slot(b);
     if (!gathered_.held(slot)) gathered_.prefetched(slot);  // reserved until opened, even if it was gathered before
@@ -915,7 +911,7 @@ class DataParallel {
   /// all_ranks_have_batch() are.
   StepResult last_step() {
     check_live("last_step()");
-    refuse_host_wait_in_capture("last_step()");
+    refuse_capture("last_step()", Uncapturable::host_wait);
     return report_latest("last_step()", Reach::rank);
   }
   int micro_step() const { return micro_; }
@@ -1115,10 +1111,7 @@ class DataParallel {
           detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
                        std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
       for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, groups.size(), "set_optimizer_groups");
-      if (backend_.capturing(options_.stream))
-        detail::fail(
-            "tandem: set_optimizer_groups while the user's stream is capturing: the change is made on the "
-            "stream, in the steps' order; call it between captures, and capture the step again after it");
+      refuse_capture("set_optimizer_groups", Uncapturable::regroup);
       control_.reserve_groups(backend_, groups.size());  // room for the groups' scalars; every rank learns a failure
     } catch (const std::exception& e) {
       problem = e.what();
@@ -1233,25 +1226,47 @@ class DataParallel {
     Exit exit_;
   };
 
-  /// Throws where the user's stream is capturing, before `call` issues anything: it waits on the host for the streams'
-  /// work (the step's record, the state it saves or restores), which a CUDA graph cannot hold (CUDA refuses the wait
-  /// and ends the capture), so that the capture stays as it was.
-  void refuse_host_wait_in_capture(const char* call) const {
-    if (backend_.capturing(options_.stream))
-      detail::fail(std::string("tandem: ") + call +
-                   " while the user's stream is capturing: it waits on the host for the streams' work, which a "
-                   "captured graph cannot hold; call it between captures (docs/cuda.md, \"Capturing a step\")");
-  }
+  /// Why a call refuses a capturing user stream.
+  enum class Uncapturable {
+    host_wait,       ///< it waits on the host for the streams' work (the step's record, the state it saves or restores)
+    reused_buffers,  ///< owned storage under a sharded policy: a pass waits on tandem's reused buffers
+    regroup,         ///< set_optimizer_groups: the change is made on the stream, in the steps' order
+    verdict_read,    ///< step() under StepReport::at_step reads its verdict on the host
+  };
 
-  /// Throws where the user's stream is capturing a pass that uses tandem's reused buffers (GradientSharded's gradient
-  /// slots, ParameterSharded's gather buffers): the pass would wait on their events from before the capture, which
-  /// CUDA refuses (cudaErrorStreamCaptureIsolation), and ParameterSharded's gathers would run once, at capture time.
-  void refuse_capture(const char* call) const {
-    if (backend_.capturing(options_.stream))
-      detail::fail(std::string("tandem: ") + call + " while the user's stream is capturing: under " + P::name +
-                   " with owned storage a pass waits on tandem's reused buffers across the capture's boundary, which "
-                   "a CUDA graph cannot hold; capture steps with user storage, or under Replicated or "
-                   "OptimizerSharded (docs/cuda.md)");
+  /// Throws, naming `call` and `why`, where the user's stream is capturing; each call that refuses a capture checks
+  /// before it issues anything, so that the capture stays as it was and can end. A CUDA graph can hold neither a host
+  /// wait (CUDA refuses it and ends the capture) nor a wait on an event recorded before the capture
+  /// (cudaErrorStreamCaptureIsolation), which a pass on owned storage under GradientSharded or ParameterSharded makes
+  /// on tandem's reused buffers (and ParameterSharded's gathers would run once, at capture time).
+  void refuse_capture(const char* call, Uncapturable why) const {
+    if (!backend_.capturing(options_.stream)) return;
+    std::string reason;
+    switch (why) {
+      case Uncapturable::host_wait:
+        reason =
+            "it waits on the host for the streams' work, which a captured graph cannot hold; call it between "
+            "captures (docs/cuda.md, \"Capturing a step\")";
+        break;
+      case Uncapturable::reused_buffers:
+        reason = std::string("under ") + P::name +
+                 " with owned storage a pass waits on tandem's reused buffers across the capture's boundary, which a "
+                 "CUDA graph cannot hold; capture steps with user storage, or under Replicated or OptimizerSharded "
+                 "(docs/cuda.md)";
+        break;
+      case Uncapturable::regroup:
+        reason =
+            "the change is made on the stream, in the steps' order; call it between captures, and capture the "
+            "step again after it";
+        break;
+      case Uncapturable::verdict_read:
+        reason =
+            "under StepReport::at_step this optimizer step reads its verdict on the host (for the gradient norm, "
+            "the non-finite check or the ranks' options check), which a captured graph cannot hold; capture it "
+            "under StepReport::deferred (docs/cuda.md, \"Capturing a step\")";
+        break;
+    }
+    detail::fail(std::string("tandem: ") + call + " while the user's stream is capturing: " + reason);
   }
 
   void check_stepping(const char* what) const {
