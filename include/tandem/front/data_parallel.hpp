@@ -1698,7 +1698,7 @@ class DataParallel {
     state_ = detail::TrainingState<Backend>(backend_, buffers_for<P>(buffer_inputs()), pdtype_, options_.reduce_dtype,
                                             Opt::state_count(groups_[0]), work_stream());
     state_.step_scalars(backend_, step_scalars_size());  // here, where every rank agrees on its allocations
-    control_ = detail::StepControl<Opt, Backend>(backend_, groups_.size(), step_, work_stream());
+    control_ = Control(backend_, groups_.size(), step_, work_stream());
     kernels_ = detail::BucketKernels<Opt, Backend>::make(pdtype_, options_.reduce_dtype, state_.grad_shard_dtype());
     gathered_ = detail::GatherSlots(state_.gather_buffers());
     for (std::size_t k = 0; k < state_.gather_buffers(); ++k) {
@@ -1808,8 +1808,7 @@ class DataParallel {
   /// Doubles of the optimizer step's scalars: the norm's terms (one per owned shard and bucket), their total, and the
   /// lanes of the options check and of the grouping's (StepControl::step_lanes).
   std::size_t step_scalars_size() const {
-    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 +
-           detail::StepControl<Opt, Backend>::step_lanes_size;
+    return static_cast<std::size_t>(owned_shards<P>(world_)) * plan_.num_buckets() + 1 + Control::step_lanes_size;
   }
 
   /// The optimizer step's one scalar all-reduce, in backend memory, and what PrepareStepBody decides from. It carries
@@ -1854,8 +1853,8 @@ class DataParallel {
       control_.step_lanes(backend_, total + 1, work_stream());
       const bool with_total = norm && !owns_every_shard<P>(world_);  // each rank holds its own shards' terms
       double* first = with_total ? total : total + 1;
-      comm_.all_reduce(first, first, detail::StepControl<Opt, Backend>::step_lanes_size + (with_total ? 1 : 0),
-                       DType::fp64, ReduceOp::sum, work_stream());
+      comm_.all_reduce(first, first, Control::step_lanes_size + (with_total ? 1 : 0), DType::fp64, ReduceOp::sum,
+                       work_stream());
       checks.lanes = total + 1;
       checks.stale = total + 1 + lanes;
     }
@@ -2091,6 +2090,7 @@ class DataParallel {
 
   template <class T>
   using Buffer = typename Backend::template Buffer<T>;
+  using Control = detail::StepControl<Opt, Backend>;
 
   /// Which buckets have a GradientBucket (gradients[b]) or a ParameterBucket (parameters[b]) alive. The first member,
   /// so that moving a DataParallel while a handle is open throws before anything has moved: the handle refers to this
@@ -2127,7 +2127,7 @@ class DataParallel {
   std::size_t psize_ = 4;
   detail::TrainingState<Backend> state_;
   detail::BucketKernels<Opt, Backend> kernels_;
-  detail::StepControl<Opt, Backend> control_;  ///< the step count and the step's scalars, in backend memory
+  Control control_;  ///< the step count and the step's scalars, in backend memory
   ResidentPackTables<Backend> param_tables_, grad_tables_;  ///< copy mode: the user's buffers, a table per run
   BucketRuns param_runs_, grad_runs_;  ///< copy mode: the buckets one launch covers (build_pack_tables)
   std::size_t issuing_end_ = 0;        ///< issue_ready_buckets issues the buckets before this one now
