@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "tandem/core/dtype.hpp"
 #include "tandem/core/error.hpp"
@@ -90,24 +91,63 @@ struct SGD {
     const Scalars* s;  ///< in backend memory
 
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
-      // the state count is the same for every item: one branch per item, none per element
       const Scalars c = *s;  // a local copy: no store to the arrays can change it, so it stays in registers
-      auto f = [c](float g, float& w, float(&b)[1]) { element(c, g, w, b); };
-      if (c.has_momentum)
-        detail::update_item<1>(a, item, lane, lanes, f);
-      else
-        detail::update_item<0>(a, item, lane, lanes, f);
+      with_flags(c, [&](auto decay, auto momentum, auto first, auto nesterov) {
+        auto f = [c](float g, float& w, float(&b)[1]) {
+          element_as<decltype(decay)::value, decltype(momentum)::value, decltype(first)::value,
+                     decltype(nesterov)::value>(c, g, w, b);
+        };
+        detail::update_item<decltype(momentum)::value ? 1 : 0>(a, item, lane, lanes, f);
+      });
     }
 
     /// One element, in registers: g the scaled gradient, w the weight, b[0] the momentum buffer (with momentum).
     TANDEM_HD static void element(const Scalars& s, float g, float& w, float (&b)[1]) {
+      with_flags(s, [&](auto decay, auto momentum, auto first, auto nesterov) {
+        element_as<decltype(decay)::value, decltype(momentum)::value, decltype(first)::value,
+                   decltype(nesterov)::value>(s, g, w, b);
+      });
+    }
+
+    /// element(), its flags (s's, as with_flags passes them) known at compile time.
+    template <bool Decay, bool Momentum, bool First, bool Nesterov>
+    TANDEM_HD static void element_as(const Scalars& s, float g, float& w, float (&b)[1]) {
       using detail::mul_rn;
-      if (s.weight_decay != 0.0f) g = g + mul_rn(s.weight_decay, w);  // as PyTorch: an infinite w stays, not NaN
-      if (s.has_momentum) {
-        b[0] = s.first_step ? g : mul_rn(s.momentum, b[0]) + mul_rn(1.0f - s.dampening, g);
-        g = s.nesterov ? g + mul_rn(s.momentum, b[0]) : b[0];
+      if constexpr (Decay) g = g + mul_rn(s.weight_decay, w);  // only where != 0, as PyTorch: an infinite w stays
+      if constexpr (Momentum) {
+        if constexpr (First)
+          b[0] = g;
+        else
+          b[0] = mul_rn(s.momentum, b[0]) + mul_rn(1.0f - s.dampening, g);
+        if constexpr (Nesterov)
+          g = g + mul_rn(s.momentum, b[0]);
+        else
+          g = b[0];
       }
       w = w - mul_rn(s.lr, g);
+    }
+
+    /// Calls f(decay, momentum, first, nesterov), s's flags (weight_decay != 0, has_momentum, first_step, nesterov;
+    /// the last two false without momentum) as std::bool_constant: the flags are the same for every element, so each
+    /// combination is a loop of its own, without a branch per element. The compiler vectorizes no loop with one
+    /// (floating-point operations may trap, so it does not compute both sides), and moves none out at -O2.
+    template <class F>
+    TANDEM_HD static void with_flags(const Scalars& s, F&& f) {
+      const auto pick = [](bool on, auto&& next) {
+        if (on)
+          next(std::true_type{});
+        else
+          next(std::false_type{});
+      };
+      pick(s.weight_decay != 0.0f, [&](auto decay) {
+        if (!s.has_momentum) {
+          f(decay, std::false_type{}, std::false_type{}, std::false_type{});
+          return;
+        }
+        pick(s.first_step, [&](auto first) {
+          pick(s.nesterov, [&](auto nesterov) { f(decay, std::true_type{}, first, nesterov); });
+        });
+      });
     }
   };
 };
