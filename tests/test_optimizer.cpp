@@ -460,8 +460,13 @@ void check_shapes(const typename Opt::Options& o) {
 template <class P, class G>
 void check_every_optimizer() {
   check_shapes<tandem::AdamW, P, G>({.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f});
+  // every combination of SGD's flags (its body has a loop for each): weight decay, momentum, Nesterov; the first step
+  // (t = 1) and a later one
   check_shapes<tandem::SGD, P, G>({.lr = 0.1f});
+  check_shapes<tandem::SGD, P, G>({.lr = 0.1f, .weight_decay = 1e-2f});
+  check_shapes<tandem::SGD, P, G>({.lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f});
   check_shapes<tandem::SGD, P, G>({.lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f, .weight_decay = 1e-2f});
+  check_shapes<tandem::SGD, P, G>({.lr = 0.05f, .momentum = 0.8f, .nesterov = tandem::Nesterov::on});
   check_shapes<tandem::SGD, P, G>(
       {.lr = 0.05f, .momentum = 0.8f, .weight_decay = 1e-3f, .nesterov = tandem::Nesterov::on});
 }
