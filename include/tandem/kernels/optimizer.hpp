@@ -69,26 +69,24 @@ inline std::uint64_t fingerprint_values(std::initializer_list<float> values) {
 template <class P, class G>
 inline constexpr std::size_t update_group_elements = 16 / (sizeof(P) < 4 || sizeof(G) < 4 ? 2 : 4);
 
-#if !TANDEM_IN_DEVICE_CODE
-/// Elements per block of the host's update loop (update_host_blocks).
-inline constexpr std::size_t host_update_block = 16;
-
-/// update_item's host loop over the whole blocks of [0, n): its element update (update_item's `one`, written out here),
-/// param written where Own; returns the elements it updated (the caller updates the rest). A loop of a fixed trip count
-/// (a multiple of every vector width) over restrict-qualified parameters needs neither a scalar epilogue nor a runtime
-/// alias check, so the compiler vectorizes it at -O2 too: GCC's cost model there (very-cheap) vectorizes no loop that
-/// needs either, and an update written as one loop over n ran at half the speed of -O3's. The loop and its accesses
-/// are written here, in the scope of the parameters: GCC honours the restrict of a parameter, not a local's, and the
-/// loop around a call or a lambda's captures was not vectorized. f by value: a local copy, which no store to the arrays
-/// can change (through a reference, its scalars were loaded again after each store, or checked for aliasing).
-template <std::size_t States, bool Own, class P, class G, class F>
-inline std::size_t update_host_blocks(float* TANDEM_RESTRICT master, P* TANDEM_RESTRICT param,
-                                      const G* TANDEM_RESTRICT grad, float* TANDEM_RESTRICT state0,
-                                      float* TANDEM_RESTRICT state1, float scale, std::size_t n, F f) {
+/// Updates the elements [first, first + n / Block * Block), Block at a time, and returns how many (update_item): f(g,
+/// w, s) on each element's values loaded into registers, then w stored to master[i] and, cast, to param[i] where Own,
+/// and s[k] to state k. On the host a block of host_update_block elements, a multiple of every vector width, is a loop
+/// of a fixed trip count over restrict-qualified parameters: it needs neither a scalar epilogue nor a runtime alias
+/// check, so the compiler vectorizes it at -O2 too (GCC's cost model there, very-cheap, vectorizes no loop that needs
+/// either: an update written as one loop over n ran at half the speed of -O3's). The loops and accesses are written
+/// here, in the parameters' scope (GCC honours a parameter's restrict, not a local's: around a call, or through a
+/// lambda's captures, the loop was not vectorized), and f is taken by value, a copy that no store to the arrays can
+/// change (through a reference, its scalars were checked for aliasing).
+template <std::size_t Block, std::size_t States, bool Own, class P, class G, class F>
+TANDEM_HD inline std::size_t update_blocks(float* TANDEM_RESTRICT master, P* TANDEM_RESTRICT param,
+                                           const G* TANDEM_RESTRICT grad, float* TANDEM_RESTRICT state0,
+                                           float* TANDEM_RESTRICT state1, float scale, std::size_t first, std::size_t n,
+                                           F f) {
   constexpr std::size_t S = States > 0 ? States : 1;  // arrays of zero length are not C++
   std::size_t done = 0;
-  for (; done + host_update_block <= n; done += host_update_block)
-    for (std::size_t i = done; i < done + host_update_block; ++i) {
+  for (; done + Block <= n; done += Block)
+    for (std::size_t i = first + done; i < first + done + Block; ++i) {
       float s[S] = {};
       if constexpr (States > 0) s[0] = state0[i];
       if constexpr (States > 1) s[1] = state1[i];
@@ -101,7 +99,9 @@ inline std::size_t update_host_blocks(float* TANDEM_RESTRICT master, P* TANDEM_R
     }
   return done;
 }
-#endif
+
+/// Elements per block of the host's update loop (update_blocks).
+inline constexpr std::size_t host_update_block = 16;
 
 /// Runs the element update `f(g, w, s)` over the elements of work item `item` that lane `lane` of `lanes` owns: g is
 /// *grad_scale * grad[i], w the master weight and s[k] state k's value, all in registers; f updates w and s[0 ..
@@ -114,7 +114,7 @@ inline std::size_t update_host_blocks(float* TANDEM_RESTRICT master, P* TANDEM_R
 /// amounts). A group loads W elements of every array into registers with 16-byte loads, updates them (W independent
 /// elements in flight: no element waits for another's stores, which the arrays could alias without __restrict__), and
 /// stores them with 16-byte stores. Lane `lane` takes groups lane, lane + lanes, ... (coalesced on CUDA) and the scalar
-/// elements congruent to it; the host runs one lane in unit stride (update_host_blocks), which the compiler vectorizes.
+/// elements congruent to it; the host runs one lane in unit stride (update_blocks), which the compiler vectorizes.
 template <std::size_t States, class P, class G, class F>
 TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, unsigned lane, unsigned lanes, F&& f) {
   static_assert(States <= 2, "an update keeps at most two state arrays");
@@ -133,30 +133,17 @@ TANDEM_HD inline void update_item(const UpdateArgs<P, G>& a, std::size_t item, u
   float* TANDEM_RESTRICT state1 = States > 1 ? a.state[1] + begin : nullptr;
   const float scale = *a.grad_scale;
 
-  // one element; own is std::true_type where param is written apart from the master
-  auto one = [&](std::size_t i, auto own) {
-    float s[S] = {};
-    if constexpr (States > 0) s[0] = state0[i];
-    if constexpr (States > 1) s[1] = state1[i];
-    float w = master[i];
-    f(mul_rn(scale, static_cast<float>(grad[i])), w, s);
-    master[i] = w;
-    if constexpr (decltype(own)::value) param[i] = convert<P>(w);
-    if constexpr (States > 0) state0[i] = s[0];
-    if constexpr (States > 1) state1[i] = s[1];
+  // elements [from, from + count) Block at a time (a whole number of blocks), param written where it is not the master
+  auto blocks = [&](auto block, std::size_t from, std::size_t count) {
+    constexpr std::size_t Block = decltype(block)::value;
+    return own_param ? update_blocks<Block, States, true>(master, param, grad, state0, state1, scale, from, count, f)
+                     : update_blocks<Block, States, false>(master, param, grad, state0, state1, scale, from, count, f);
   };
-  auto scalar = [&](std::size_t i) {
-    if (own_param)
-      one(i, std::true_type{});
-    else
-      one(i, std::false_type{});
-  };
+  auto scalar = [&](std::size_t i) { blocks(std::integral_constant<std::size_t, 1>{}, i, 1); };
 #if !TANDEM_IN_DEVICE_CODE
   if (lanes == 1) {  // the host: unit stride, in blocks the compiler vectorizes, then the rest one by one
-    const std::size_t done = own_param
-                                 ? update_host_blocks<States, true>(master, param, grad, state0, state1, scale, n, f)
-                                 : update_host_blocks<States, false>(master, param, grad, state0, state1, scale, n, f);
-    for (std::size_t i = done; i < n; ++i) scalar(i);
+    const std::size_t done = blocks(std::integral_constant<std::size_t, host_update_block>{}, 0, n);
+    blocks(std::integral_constant<std::size_t, 1>{}, done, n - done);
     return;
   }
 #endif
