@@ -28,6 +28,12 @@
 #else
 #define TANDEM_UNROLL
 #endif
+// Unrolls the loop it precedes on the device only (a host loop that GCC runs faster rolled).
+#if defined(__CUDA_ARCH__)
+#define TANDEM_DEVICE_UNROLL _Pragma("unroll")
+#else
+#define TANDEM_DEVICE_UNROLL
+#endif
 
 // Marks host code that runs once or only on failure (construction, validation, error messages, checkpoint I/O): the
 // compiler optimizes it for size and keeps it out of the hot paths' way. Most of a header-only library's compile
