@@ -93,9 +93,8 @@ struct SGD {
     TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
       const Scalars c = *s;  // a local copy: no store to the arrays can change it, so it stays in registers
       with_flags(c, [&](auto decay, auto momentum, auto first, auto nesterov) {
-        auto f = [c](float g, float& w, float(&b)[1]) {
-          element_as<decltype(decay)::value, decltype(momentum)::value, decltype(first)::value,
-                     decltype(nesterov)::value>(c, g, w, b);
+        auto f = [c, decay, momentum, first, nesterov](float g, float& w, float(&b)[1]) {
+          element_as(c, g, w, b, decay, momentum, first, nesterov);
         };
         detail::update_item<decltype(momentum)::value ? 1 : 0>(a, item, lane, lanes, f);
       });
@@ -103,15 +102,14 @@ struct SGD {
 
     /// One element, in registers: g the scaled gradient, w the weight, b[0] the momentum buffer (with momentum).
     TANDEM_HD static void element(const Scalars& s, float g, float& w, float (&b)[1]) {
-      with_flags(s, [&](auto decay, auto momentum, auto first, auto nesterov) {
-        element_as<decltype(decay)::value, decltype(momentum)::value, decltype(first)::value,
-                   decltype(nesterov)::value>(s, g, w, b);
-      });
+      with_flags(s, [&](auto... flags) { element_as(s, g, w, b, flags...); });
     }
 
     /// element(), its flags (s's, as with_flags passes them) known at compile time.
     template <bool Decay, bool Momentum, bool First, bool Nesterov>
-    TANDEM_HD static void element_as(const Scalars& s, float g, float& w, float (&b)[1]) {
+    TANDEM_HD static void element_as(const Scalars& s, float g, float& w, float (&b)[1], std::bool_constant<Decay>,
+                                     std::bool_constant<Momentum>, std::bool_constant<First>,
+                                     std::bool_constant<Nesterov>) {
       using detail::mul_rn;
       if constexpr (Decay) g = g + mul_rn(s.weight_decay, w);  // only where != 0, as PyTorch: an infinite w stays
       if constexpr (Momentum) {
