@@ -375,6 +375,27 @@ TEST_CASE_TEMPLATE("LocalGroup broadcast copies the root's send", T, TANDEM_LOCA
   for_each_case([&](const Case& c) { check_broadcast<T>(c, rng); }, kCounts, kNoOp);
 }
 
+TEST_CASE_TEMPLATE("LocalGroup's collectives past the streaming threshold, blocks at several 16-byte misalignments", T,
+                   float, BFloat16) {
+  // Per-rank results of kLocalStreamingBytes or more are written with streaming stores, from each block's first 16-byte
+  // boundary on; odd counts put the later blocks of an all_gather at other misalignments (bf16: 2-byte steps).
+  const std::uint64_t seed = fresh_seed();
+  CAPTURE(seed);
+  Rng rng(seed);
+  const std::size_t base = tandem::detail::kLocalStreamingBytes / sizeof(T);
+  for (int size : {2, 3}) {
+    for (std::size_t extra : {std::size_t{0}, std::size_t{3}}) {
+      for (Placement placement : kPlacements) {
+        const Case c{size, base + extra, placement, ReduceOp::sum};
+        check_all_gather<T>(c, rng);
+        check_broadcast<T>(c, rng);
+        check_reduce_scatter<T>(c, rng);
+        check_all_reduce<T>(Case{size, (base + extra) * static_cast<std::size_t>(size), placement, ReduceOp::avg}, rng);
+      }
+    }
+  }
+}
+
 TEST_CASE("the independent bf16/fp16 rounding agrees with known values") {
   // Guards the reference itself: ties to even, and the fp16 subnormal range.
   CHECK(round_to_precision(1.0 + 0x1p-8, 7, -126) == 1.0);                     // tie -> even (down)

@@ -15,7 +15,8 @@
 // rank, and writes each slice into every rank's recv; reduce_scatter has rank r reduce the block it receives. A rank
 // walks its elements in blocks of 2048 through a stack accumulator, reading every input of a block before writing any
 // output (ranks outer, elements inner, so the loops vectorize), which makes the in-place forms safe. all_gather: each
-// rank fills its own recv from every rank's send; broadcast: each rank copies the root's send.
+// rank fills its own recv from every rank's send; broadcast: each rank copies the root's send. Results of 4 MiB or more
+// per rank are written with streaming stores.
 //
 // The barrier counts generations. A waiter polls it: a microsecond with a pause between reads (not when the ranks
 // outnumber the CPUs they may run on), then yielding its core between reads; after a millisecond it sleeps on a
@@ -376,6 +377,22 @@ std::pair<std::size_t, std::size_t> local_slice(std::size_t count, int size, int
   return {std::min(first * line, count), std::min(last * line, count)};
 }
 
+/// memcpy(dst, src, bytes) for a collective's copies: blocks of at least kLocalStreamingBytes are written with
+/// streaming stores from dst's first 16-byte boundary on, so that no line of dst is read before it is written (glibc's
+/// memcpy reads them below a threshold far larger than a bucket), and fenced.
+inline void local_copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes < kLocalStreamingBytes) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  const std::size_t head = (16 - misalignment16(d)) & 15u;
+  std::memcpy(d, s, head);
+  stream_copy(s + head, d + head, bytes - head);
+  stream_fence();
+}
+
 /// This rank's share of a collective every rank agreed on (count > 0).
 inline void local_execute(const LocalCall* calls, int size, int rank) {
   const LocalCall& c = calls[rank];
@@ -397,11 +414,11 @@ inline void local_execute(const LocalCall* calls, int size, int rank) {
     case LocalCallKind::all_gather:  // fill my recv: block p is rank p's send (already there for my own, in place)
       for (int p = 0; p < size; ++p) {
         char* dst = static_cast<char*>(c.recv) + static_cast<std::size_t>(p) * bytes;
-        if (dst != calls[p].send) std::memcpy(dst, calls[p].send, bytes);
+        if (dst != calls[p].send) local_copy(dst, calls[p].send, bytes);
       }
       break;
     case LocalCallKind::broadcast:
-      if (c.recv != calls[c.root].send) std::memcpy(c.recv, calls[c.root].send, bytes);
+      if (c.recv != calls[c.root].send) local_copy(c.recv, calls[c.root].send, bytes);
       break;
     case LocalCallKind::barrier:
       break;
