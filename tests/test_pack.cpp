@@ -78,7 +78,7 @@ Layout random_layout(std::mt19937& rng) {
 
 // Packs user buffers of UserT into a bucket of BucketT (assign or accumulate) and unpacks back; checks all.
 template <class UserT, class BucketT>
-void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
+void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode, tandem::StoreHint hint) {
   const Layout l = random_layout(rng);
   tandem::PlanOptions o;
   o.world_size = std::uniform_int_distribution<int>(1, 4)(rng);
@@ -131,8 +131,8 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
 
   if (mode == tandem::WriteMode::assign)
     run(table.size(),
-        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket>{table.reading_user.data(),
-                                                                           table.tensors.data(), bucket.data(), scale},
+        tandem::PackBody<UserT, BucketT, tandem::PackDirection::to_bucket>{
+            table.reading_user.data(), table.tensors.data(), bucket.data(), scale, hint},
         lanes);
   else
     run(table.size(),
@@ -163,7 +163,7 @@ void check_round_trip(std::mt19937& rng, Lanes lanes, tandem::WriteMode mode) {
     const float unscale = 2.0f;
     run(table.size(),
         tandem::PackBody<UserT, BucketT, tandem::PackDirection::from_bucket>{
-            table.reading_bucket.data(), table.tensors.data(), bucket.data(), unscale},
+            table.reading_bucket.data(), table.tensors.data(), bucket.data(), unscale, hint},
         lanes);
     for (std::size_t i = 0; i < l.sizes.size(); ++i)
       for (std::size_t e = 0; e < l.sizes[i]; ++e) {
@@ -184,17 +184,31 @@ TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA lanes (a warp or
   for (int trial = 0; trial < 60; ++trial) {
     CAPTURE(trial);
     const Lanes lanes = trial % 3 == 0 ? Lanes::host : trial % 3 == 1 ? Lanes::cuda_launch : Lanes::cuda_half_warps;
-    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::assign);
-    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::accumulate);
+    // Host lanes take the streaming stores' loop where the hint says so (an accumulating pack never does).
+    const tandem::StoreHint hint = trial % 2 == 0 ? tandem::StoreHint::streaming : tandem::StoreHint::cached;
+    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::assign, hint);
+    check_round_trip<UserT, BucketT>(rng, lanes, tandem::WriteMode::accumulate, hint);
   }
 }
 
-TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero included") {
-  std::vector<std::uint32_t> bits = {0x7fc00001u, 0xffc12345u, 0x80000000u, 0x00000001u, 0x7f800000u};
-  std::vector<float> src(bits.size()), dst(bits.size(), 1.0f);
-  std::memcpy(src.data(), bits.data(), bits.size() * 4);
-  tandem::CastBody<float, float>{src.data(), dst.data(), src.size(), 1.0f}(0, 0, 1);
-  CHECK(std::memcmp(src.data(), dst.data(), bits.size() * 4) == 0);
+TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero included, with either store hint") {
+  const std::uint32_t bits[] = {0x7fc00001u, 0xffc12345u, 0x80000000u, 0x00000001u, 0x7f800000u};
+  const std::size_t n = 101;  // a scalar head, whole groups (four at a time where streaming), a tail
+  for (const tandem::StoreHint hint : {tandem::StoreHint::cached, tandem::StoreHint::streaming}) {
+    for (std::size_t offset = 0; offset < 4; ++offset) {
+      CAPTURE(offset);
+      tandem::HostBuffer<float> src(n + 4), dst(n + 4);
+      for (std::size_t i = 0; i < n + 4; ++i) {
+        std::memcpy(src.data() + i, &bits[i % 5], 4);
+        dst.data()[i] = 1.0f;
+      }
+      tandem::CastBody<float, float>{src.data() + offset, dst.data() + offset, n, 1.0f, hint}(0, 0, 1);
+      tandem::detail::stream_fence();
+      CHECK(std::memcmp(src.data() + offset, dst.data() + offset, n * 4) == 0);
+      for (std::size_t i = 0; i < n + 4; ++i)
+        if (i < offset || i >= offset + n) CHECK(dst.data()[i] == 1.0f);
+    }
+  }
 }
 
 // A body of L lanes per item (the default, a warp, declares nothing) that records which lanes ran each item.

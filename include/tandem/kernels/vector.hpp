@@ -348,11 +348,12 @@ struct CastBody {
   Dst* dst;
   std::size_t n;
   float scale;
+  StoreHint hint = StoreHint::cached;  ///< streaming for ranges far larger than the cache (host; assign only)
 
   TANDEM_HD void operator()(std::size_t item, unsigned lane, unsigned lanes) const {
     const std::size_t begin = item * cast_chunk_elements;
     const std::size_t count = n - begin < cast_chunk_elements ? n - begin : cast_chunk_elements;
-    detail::cast_segment<Src, Dst, Mode>(src + begin, dst + begin, count, scale, lane, lanes);
+    detail::cast_segment<Src, Dst, Mode>(src + begin, dst + begin, count, scale, lane, lanes, hint);
   }
 };
 

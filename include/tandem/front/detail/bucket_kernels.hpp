@@ -107,13 +107,18 @@ struct BucketKernels {
           PackBody<T, float, PackDirection::to_bucket, WriteMode::accumulate>{t.reading_user, t.tensors, bucket, scale},
           s);
   }
+  /// The store hint of a flat cast writing n elements of T (pack.hpp's rule: streaming from 4 MiB on).
+  template <class T>
+  static constexpr StoreHint hint_for(std::size_t n) {
+    return store_hint_for(n * sizeof(T));
+  }
   template <class T>
   static void masters_as(const Backend& be, const void* params, float* master, std::size_t n, Stream s) {
-    be.launch(cast_items(n), CastBody<T, float>{static_cast<const T*>(params), master, n, 1.0f}, s);
+    be.launch(cast_items(n), CastBody<T, float>{static_cast<const T*>(params), master, n, 1.0f, hint_for<float>(n)}, s);
   }
   template <class R>
   static void round_as(const Backend& be, const float* grads, void* wire, std::size_t n, float scale, Stream s) {
-    be.launch(cast_items(n), CastBody<float, R>{grads, static_cast<R*>(wire), n, scale}, s);
+    be.launch(cast_items(n), CastBody<float, R>{grads, static_cast<R*>(wire), n, scale, hint_for<R>(n)}, s);
   }
   template <class R, class G>
   static void land_as(const Backend& be, const void* reduced, void* store, std::size_t n, WriteMode mode, Stream s) {
@@ -121,13 +126,13 @@ struct BucketKernels {
     G* dst = static_cast<G*>(store);
     if constexpr (std::is_same_v<G, float>) {
       if (mode == WriteMode::assign)
-        be.launch(cast_items(n), CastBody<R, float, WriteMode::assign>{src, dst, n, 1.0f}, s);
+        be.launch(cast_items(n), CastBody<R, float, WriteMode::assign>{src, dst, n, 1.0f, hint_for<float>(n)}, s);
       else
         be.launch(cast_items(n), CastBody<R, float, WriteMode::accumulate>{src, dst, n, 1.0f}, s);
     } else {
       if (mode != WriteMode::assign)
         fail("tandem: internal error: a 16-bit gradient shard is only ever assigned (nothing accumulates into it)");
-      be.launch(cast_items(n), CastBody<R, R>{src, dst, n, 1.0f}, s);
+      be.launch(cast_items(n), CastBody<R, R>{src, dst, n, 1.0f, hint_for<R>(n)}, s);
     }
   }
   template <class T, class G>
