@@ -11,7 +11,7 @@
 // element; the LocalGroup reduction reads N slices and writes N results per element it reduces):
 //   Replicated        pack 8Ψ + all-reduce 8F + update 28F + unpack 8Ψ                   = 16Ψ + 36F
 //   OptimizerSharded  pack 8Ψ + reduce-scatter 4F + 4S + update 28S + all-gather 8(F - S) + unpack 8Ψ
-//   GradientSharded   the same + 8S to add the reduced shard into the accumulator
+//   GradientSharded   the same (the reduce-scatter writes the shard accumulator)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -42,9 +42,7 @@ template <class Policy>
 double traffic_bytes(double psi, double f, double n) {
   const double s = f / n;
   if constexpr (std::is_same_v<Policy, tandem::Replicated>) return 16 * psi + 36 * f;
-  const double base = 16 * psi + 4 * f + 4 * s + 28 * s + 8 * (f - s);
-  if constexpr (std::is_same_v<Policy, tandem::GradientSharded>) return base + 8 * s;
-  return base;
+  return 16 * psi + 4 * f + 4 * s + 28 * s + 8 * (f - s);
 }
 
 template <class Policy>

@@ -375,23 +375,25 @@ inline MemoryReport memory_per_gpu(const ModelLayout& layout, const PolicyTraits
 /// Bytes tandem's kernels read and write per optimizer step (copy mode, k micro-steps, no clipping).
 struct KernelBytes {
   double pack = 0;  ///< gradients into the fp32 bucket: read psi*p, write 4 psi (read 4 psi more when accumulating)
-  double accumulate = 0;  ///< GradientSharded: my reduced shard into the shard accumulator, 8S (12S when adding)
+  double accumulate = 0;  ///< GradientSharded: adding my reduced shard into the shard accumulator, 12S
   double optimizer = 0;   ///< AdamW over the owned range: grad 4, master r/w 8, state r/w 8k, 16-bit param write p
   double unpack = 0;      ///< parameters from the bucket to the user's buffers: read and write psi*p
   double total() const { return pack + accumulate + optimizer + unpack; }
 };
 
 inline KernelBytes kernel_bytes(const Plan& plan, std::size_t psi, std::size_t p, std::size_t k,
-                                const PolicyTraits& policy, int accumulation_steps) {
+                                const PolicyTraits& policy, int world, int accumulation_steps) {
   const double P = static_cast<double>(psi), F = static_cast<double>(plan.total_size()),
                S = static_cast<double>(plan.total_shard_size()), pb = static_cast<double>(p);
   const double steps = accumulation_steps, later = accumulation_steps - 1;
   const double owned = policy.state == StateSharding::sharded ? S : F;
   KernelBytes b;
   if (policy.reduction == GradientReduction::every_micro_step) {
-    // Every micro-step: assign into the shared staging bucket (zeroing its gaps), then fold my shard in.
+    // Every micro-step: assign into the shared staging bucket (zeroing its gaps), then reduce-scatter: the window's
+    // first writes my shard into the accumulator itself (at one rank a copy, 8S, counted here: no communication is),
+    // the later ones are added into it.
     b.pack = steps * (P * pb + 4.0 * P + 4.0 * (F - P));
-    b.accumulate = 8.0 * S + later * 12.0 * S;
+    b.accumulate = (world == 1 ? 8.0 * S : 0.0) + later * 12.0 * S;
   } else {
     b.pack = steps * (P * pb + 4.0 * P) + later * 4.0 * P;  // accumulating micro-steps also read the bucket
   }
@@ -440,7 +442,7 @@ inline Prediction predict_step(const ModelLayout& layout, const PolicyTraits& po
   r.world = world;
   r.buckets = plan.num_buckets();
   r.memory = memory_per_gpu(layout, policy, world, in);
-  r.bytes = kernel_bytes(plan, psi, p, in.optimizer_states, policy, in.accumulation_steps);
+  r.bytes = kernel_bytes(plan, psi, p, in.optimizer_states, policy, world, in.accumulation_steps);
   r.kernels = r.bytes.total() / in.kernel_bw();
 
   const double micro_compute = 6.0 * static_cast<double>(psi) * in.tokens_per_gpu / (in.peak_flops * in.mfu);

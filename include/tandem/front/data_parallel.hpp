@@ -1373,33 +1373,41 @@ class DataParallel {
                     WriteMode::assign, s);
   }
 
-  /// ReduceEveryMicroStep: this micro-step's gradients of bucket b (the storage mode's) reduced by the policy and
-  /// landed in the shard accumulator (assigned at the window's first micro-step, added after); then they are dropped.
-  /// All on the comm stream: copy mode's pack into the shared staging bucket too, so that only the comm stream uses it.
+  /// ReduceEveryMicroStep: this micro-step's gradients of bucket b (the storage mode's) reduced by the policy into the
+  /// shard accumulator: at the window's first micro-step written there by the collective itself, where the accumulator
+  /// has the reduction's dtype (no copy after it); otherwise reduced in place and landed (assigned, or added after the
+  /// first micro-step). Then they are dropped. All on the comm stream: copy mode's pack into the shared staging bucket
+  /// too, so that only the comm stream uses it.
   void reduce_into_shard(std::size_t b) {
     const Stream s = after_work();
     float* grads = (this->*steps_->micro_step_gradients)(b, s);
-    const void* reduced = reduce(b, grads, s);
-    kernels_.land(backend_, reduced, owned_grads(b), plan_.bucket(b).shard_size,
-                  micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, s);
+    if (micro_ == 0 && state_.grad_shard_dtype() == options_.reduce_dtype) {
+      reduce(b, grads, s, owned_grads(b));
+    } else {
+      const void* reduced = reduce(b, grads, s);
+      kernels_.land(backend_, reduced, owned_grads(b), plan_.bucket(b).shard_size,
+                    micro_ == 0 ? WriteMode::assign : WriteMode::accumulate, s);
+    }
     (this->*steps_->gradients_reduced)(b, grads, s);
   }
 
-  /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in place in fp32, or
-  /// rounded into the reduce buffer and reduced there (grads keep their values). Rounded, they are averaged first
-  /// (owned storage's gradients are sums; copy mode's pack averaged already), so that the sum fits a 16-bit range N*k
-  /// times larger, and both storage modes round the same values. Returns the reduced owned range (in the reduce dtype).
-  const void* reduce(std::size_t b, float* grads, Stream s) {
+  /// Reduces bucket b's fp32 gradients as the policy says, in DataParallelOptions::reduce_dtype: in fp32, or rounded
+  /// into the reduce buffer and reduced there (grads keep their values). Rounded, they are averaged first (owned
+  /// storage's gradients are sums; copy mode's pack averaged already), so that the sum fits a 16-bit range N*k times
+  /// larger, and both storage modes round the same values. The reduced owned range (in the reduce dtype) goes to
+  /// `into` (BucketView::reduced; ReduceEveryMicroStep only), or stays in place; returns where it is.
+  const void* reduce(std::size_t b, float* grads, Stream s, void* into = nullptr) {
     const Bucket& bucket = plan_.bucket(b);
     const std::size_t own = owned_range(b).begin - bucket.offset;
-    if (!rounded_reduction()) {
-      P::reduce_gradients(comm_, view(b, grads));
-      return grads + own;
+    void* wire = grads;
+    if (rounded_reduction()) {
+      wire = state_.reduce_buffer();
+      kernels_.round_for_reduction(backend_, grads, wire, bucket.size, steps_->averaged ? 1.0f : pack_scale(), s);
     }
-    unsigned char* wire = state_.reduce_buffer();
-    kernels_.round_for_reduction(backend_, grads, wire, bucket.size, steps_->averaged ? 1.0f : pack_scale(), s);
-    P::reduce_gradients(comm_, view(b, wire, options_.reduce_dtype));
-    return wire + own * dtype_size(options_.reduce_dtype);
+    BucketView v = view(b, wire, options_.reduce_dtype);
+    v.reduced = into;
+    P::reduce_gradients(comm_, v);
+    return into != nullptr ? into : static_cast<unsigned char*>(wire) + own * dtype_size(options_.reduce_dtype);
   }
 
   /// GatherBeforeUse: bucket b's parameters gathered into a gather buffer (or found there from an earlier use since

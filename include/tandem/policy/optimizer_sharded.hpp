@@ -10,12 +10,15 @@ namespace tandem {
 
 namespace detail {
 
-/// The collectives both sharded policies run on a bucket: in-place reduce-scatter and all-gather.
+/// The collectives the sharded policies run on a bucket: reduce-scatter (in place, or into BucketView::reduced) and
+/// in-place all-gather.
 struct ShardedCollectives {
   template <Communicator C>
   static void reduce_gradients(C& comm, const BucketView& b) {
     auto* base = static_cast<unsigned char*>(b.grad);
-    unsigned char* mine = base + static_cast<std::size_t>(b.rank) * b.shard_size * dtype_size(b.grad_dtype);
+    void* mine = b.reduced != nullptr
+                     ? b.reduced
+                     : base + static_cast<std::size_t>(b.rank) * b.shard_size * dtype_size(b.grad_dtype);
     comm.reduce_scatter(base, mine, b.shard_size, b.grad_dtype, ReduceOp::sum, b.stream);
   }
 

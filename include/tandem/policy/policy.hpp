@@ -163,7 +163,7 @@ static_assert(Communicator<ArchetypeCommunicator>);
 /// One bucket as a policy's hooks see it.
 struct BucketView {
   /// The bucket's gradients to reduce (size elements of grad_dtype): fp32, or DataParallelOptions::reduce_dtype's
-  /// copy of them. A reduction leaves the reduced sum in the owned range (all of it, or shard `rank`).
+  /// copy of them. A reduction leaves the reduced sum in the owned range (all of it, or shard `rank`), or in `reduced`.
   void* grad = nullptr;
   DType grad_dtype = DType::fp32;
   void* param = nullptr;  ///< the bucket's parameters in the parameter dtype (size elements)
@@ -175,6 +175,11 @@ struct BucketView {
   std::size_t shard_size = 0;  ///< size / world size
   int rank = 0;
   Stream stream = {};
+  /// Where the reduction writes the reduced owned range instead (its elements of grad_dtype, apart from `grad`), or
+  /// nullptr: in place. The front sets it only for a gradient scheme that reduces every micro-step, at the first
+  /// micro-step of a window: the shard accumulator then takes the reduced shard from the collective itself. A policy of
+  /// that scheme must honour it.
+  void* reduced = nullptr;
 };
 
 /// A policy: its name and traits, its phase hooks (a gradient scheme and a parameter scheme of policy/phases.hpp, or
