@@ -378,18 +378,14 @@ std::pair<std::size_t, std::size_t> local_slice(std::size_t count, int size, int
 }
 
 /// memcpy(dst, src, bytes) for a collective's copies: blocks of at least kLocalStreamingBytes are written with
-/// streaming stores from dst's first 16-byte boundary on, so that no line of dst is read before it is written (glibc's
-/// memcpy reads them below a threshold far larger than a bucket), and fenced.
+/// streaming stores (stream_copy), so that no line of dst is read before it is written (glibc's memcpy reads them below
+/// a threshold far larger than a bucket), and fenced.
 inline void local_copy(void* dst, const void* src, std::size_t bytes) {
   if (bytes < kLocalStreamingBytes) {
     std::memcpy(dst, src, bytes);
     return;
   }
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto* s = static_cast<const unsigned char*>(src);
-  const std::size_t head = (16 - misalignment16(d)) & 15u;
-  std::memcpy(d, s, head);
-  stream_copy(s + head, d + head, bytes - head);
+  stream_copy(static_cast<const unsigned char*>(src), static_cast<unsigned char*>(dst), bytes);
   stream_fence();
 }
 

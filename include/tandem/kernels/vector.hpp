@@ -322,13 +322,15 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   for (std::size_t i = tail + lane; i < n; i += lanes) cast_one<Src, Dst, Mode>(src, dst, i, scale);
 }
 
-/// dst[0, n) = src[0, n) with streaming stores where dst is 16-byte aligned (host), ordinary stores elsewhere.
+/// dst[0, n) = src[0, n): ordinary stores up to dst's first 16-byte boundary, streaming stores (host) from there, and
+/// ordinary stores for a tail of less than 16 bytes (all of it where no element of dst starts on a boundary).
 /// The caller fences (detail::stream_fence) before others read dst.
 template <class T>
 inline void stream_copy(const T* src, T* dst, std::size_t n) {
   constexpr std::size_t G = 16 / sizeof(T) > 0 ? 16 / sizeof(T) : 1;
   std::size_t i = 0;
-  if (misalignment16(dst) == 0 && sizeof(T) * G == 16) {
+  if constexpr (sizeof(T) * G == 16) {
+    for (; i < n && misalignment16(dst + i) != 0; ++i) dst[i] = src[i];
     for (; i + G <= n; i += G) stream_vec<T, G>(dst + i, load_vec<T, G>(src + i));
   }
   for (; i < n; ++i) dst[i] = src[i];
