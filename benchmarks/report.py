@@ -207,7 +207,7 @@ def main(results, docs):
     save_plot(fig, ax, "step() time and its memory-traffic floor", os.path.join(img, "step.png"), w)
     w("Host builds of tandem's targets use `-fno-math-errno`, which lets the compiler vectorize the square root "
       "in AdamW (sqrt need not set errno); build your host code with it too for the same figures. The host kernels "
-      "are vectorized at -O2 as at -O3 (GCC 12: the optimizers' loops run in blocks of 16 elements, a fp32 "
+      "are vectorized at -O2 as at -O3 (GCC 12: the optimizers' loops run in blocks of 16 elements, an fp32 "
       "vector group's elements are unrolled, SGD's options are branched on once per work item, not per element), so a "
       "RelWithDebInfo (-O2) build runs about as fast as this Release one.")
     w("")
