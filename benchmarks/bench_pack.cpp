@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host pack and unpack of whole layouts (every bucket, one launch each) against a copy of the same traffic (the
 // faster of memcpy and a streaming copy, support.hpp; memcpy's own row shows where it is the slower).
-// Layouts: the GPT-2-124M tensor list, 10,000 x 1 KB, 100 x 1 MB; fp32 -> fp32 and fp32 -> bf16 buckets.
+// Layouts: the GPT-2-124M tensor list, 10,000 x 1 KB, 100 x 1 MB; fp32 -> fp32, fp32 -> bf16 and fp32 -> fp16
+// buckets, and an fp32 pack that accumulates (a later micro-step's: bucket += gradient).
 #include <benchmark/benchmark.h>
 
 #include <vector>
@@ -36,7 +37,8 @@ struct Setup {
   BucketT* bucket(std::size_t b) { return flat.data() + plan.bucket(b).offset; }
 };
 
-template <class UserT, class BucketT, tandem::PackDirection Direction>
+template <class UserT, class BucketT, tandem::PackDirection Direction,
+          tandem::WriteMode Mode = tandem::WriteMode::assign>
 void BM_pack(benchmark::State& state, const std::string& layout) {
   Setup<UserT, BucketT> s(layout);
   const tandem::HostBackend backend;
@@ -46,13 +48,17 @@ void BM_pack(benchmark::State& state, const std::string& layout) {
   };
   const std::size_t src = Direction == tandem::PackDirection::to_bucket ? sizeof(UserT) : sizeof(BucketT);
   const std::size_t dst = Direction == tandem::PackDirection::to_bucket ? sizeof(BucketT) : sizeof(UserT);
+  // An accumulating pack reads the bucket as well as writing it.
+  const std::size_t traffic = n * (src + dst + (Mode == tandem::WriteMode::accumulate ? dst : 0));
   // Against a copy moving the same traffic (half of it read, half written), as bench_optim and bench_cuda do.
-  bench::run_against_copy(state, n * (src + dst), n * (src + dst) / 2, [&] {
+  bench::run_against_copy(state, traffic, traffic / 2, [&] {
     for (std::size_t b = 0; b < s.plan.num_buckets(); ++b) {
       const tandem::PackTable& t = s.tables[b];
-      backend.launch(t.size(), tandem::PackBody<UserT, BucketT, Direction>{
-                                   items(t), t.tensors.data(), s.bucket(b), 1.0f,
-                                   tandem::store_hint_for(s.plan.bucket(b).size * sizeof(BucketT))});
+      const tandem::StoreHint hint = Mode == tandem::WriteMode::assign
+                                         ? tandem::store_hint_for(s.plan.bucket(b).size * sizeof(BucketT))
+                                         : tandem::StoreHint::cached;
+      backend.launch(t.size(), tandem::PackBody<UserT, BucketT, Direction, Mode>{items(t), t.tensors.data(),
+                                                                                 s.bucket(b), 1.0f, hint});
     }
   });
   state.counters["buckets"] = static_cast<double>(s.plan.num_buckets());
@@ -68,7 +74,9 @@ void BM_memcpy(benchmark::State& state, const std::string& layout) {
 
 const int registered = [] {
   using tandem::BFloat16;
+  using tandem::Float16;
   using tandem::PackDirection;
+  using tandem::WriteMode;
   for (const char* name : bench::layout_names) {
     const std::string l = name;
     benchmark::RegisterBenchmark(("memcpy/" + l).c_str(), BM_memcpy, l)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -81,6 +89,13 @@ const int registered = [] {
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("pack/fp32->bf16/" + l).c_str(), BM_pack<float, BFloat16, PackDirection::to_bucket>,
                                  l)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("pack/fp32->fp16/" + l).c_str(), BM_pack<float, Float16, PackDirection::to_bucket>, l)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("pack+=/fp32->fp32/" + l).c_str(),
+                                 BM_pack<float, float, PackDirection::to_bucket, WriteMode::accumulate>, l)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }

@@ -117,23 +117,25 @@ def main(results, docs):
       "is the faster of memcpy and a copy with streaming stores (`benchmarks/support.hpp`): below its own "
       "streaming threshold (about 180 MiB here) glibc's memcpy reads every destination line before writing it, "
       "half again the traffic of a copy that streams as tandem's kernels do above 4 MiB, so memcpy alone is no "
-      "ceiling (the memcpy rows show where it is the slower).")
+      "ceiling (the memcpy rows show where it is the slower). `pack+=` accumulates into the bucket, as a later "
+      "micro-step of gradient accumulation does, so it reads the bucket as well; its stores are never streaming.")
     w("")
     w("| layout | kernel | time ms | GB/s (read + written) | x copy |")
     w("|---|---|---|---|---|")
     layouts = ["gpt2", "10000x1KB", "100x1MB"]
-    kernels = ["memcpy", "pack/fp32->fp32", "unpack/fp32->fp32", "pack/fp32->bf16"]
+    kernels = ["memcpy", "pack/fp32->fp32", "unpack/fp32->fp32", "pack+=/fp32->fp32", "pack/fp32->bf16",
+               "pack/fp32->fp16"]
     for layout in layouts:
         for k in kernels:
             b = pack[f"{k}/{layout}"]
             w(f"| {layout} | {k} | {ms(b):.2f} | {gbps(b):.1f} | {b['x_copy']:.2f} |")
     w("")
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.2
+    width = 0.8 / len(kernels)
     for i, k in enumerate(kernels):
         ax.bar([x + i * width for x in range(len(layouts))], [gbps(pack[f"{k}/{l}"]) for l in layouts], width,
                label=k)
-    ax.set_xticks([x + 1.5 * width for x in range(len(layouts))], layouts)
+    ax.set_xticks([x + (len(kernels) - 1) / 2 * width for x in range(len(layouts))], layouts)
     ax.set_ylabel("GB/s (bytes read + written)")
     save_plot(fig, ax, "Host pack/unpack and memcpy", os.path.join(img, "pack.png"), w)
 

@@ -10,6 +10,7 @@
 
 #include "support/cases.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/kernels/detail/host_simd.hpp"
 
 namespace {
 
@@ -102,6 +103,71 @@ TEST_CASE("fp16 to float is exact for all 65536 patterns") {
       REQUIRE(std::memcmp(&want, &got, 4) == 0);
     }
   }
+}
+#endif
+
+#if !TANDEM_HOST_SIMD
+TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
+  test::skip_case("this host build has no vector conversions (SSE2)");
+}
+#else
+TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
+  // Eight floats at a time through widen8 / narrow8 against BFloat16 / Float16's scalar conversions, bit for bit.
+  const auto narrow = [](const std::uint32_t(&u)[8]) {
+    float f[8];
+    std::memcpy(f, u, sizeof f);
+    tandem::BFloat16 b[8];
+    tandem::Float16 h[8];
+    tandem::detail::narrow8(tandem::detail::widen8(f), b);
+    tandem::detail::narrow8(tandem::detail::widen8(f), h);
+    for (int k = 0; k < 8; ++k) {
+      if (b[k].bits != tandem::BFloat16::from_float(f[k])) FAIL("bf16 of float bits " << u[k] << ": " << b[k].bits);
+      if (h[k].bits != tandem::Float16::from_float(f[k])) FAIL("fp16 of float bits " << u[k] << ": " << h[k].bits);
+    }
+  };
+  // Every float whose low bits are a rounding case of fp16 (13 dropped bits) or of bf16 (16), over every sign and
+  // exponent, and random patterns; eight lanes of different cases at a time.
+  std::uint32_t u[8];
+  int lane = 0;
+  const auto add = [&](std::uint32_t x) {
+    u[lane++] = x;
+    if (lane == 8) {
+      narrow(u);
+      lane = 0;
+    }
+  };
+  const std::uint32_t fp16_cases[] = {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu};
+  const std::uint32_t bf16_cases[] = {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu};
+  // The flush-to-zero and denormals-are-zero flags change nothing (the header says so): a second pass with both set.
+  const unsigned csr = _mm_getcsr();
+  for (const unsigned flags : {0u, 0x8040u}) {
+    CAPTURE(flags);
+    _mm_setcsr(csr | flags);
+    for (std::uint32_t hi = 0; hi < (1u << 19); ++hi)
+      for (const std::uint32_t lo : fp16_cases) add((hi << 13) | lo);
+    for (std::uint32_t hi = 0; hi < (1u << 16); ++hi)
+      for (const std::uint32_t lo : bf16_cases) add((hi << 16) | lo);
+    std::mt19937 rng(3);
+    std::uniform_int_distribution<std::uint32_t> bits;
+    for (int i = 0; i < 1'000'000; ++i) add(bits(rng));
+
+    // and every 16-bit pattern widened
+    for (std::uint32_t h = 0; h < 65536; h += 8) {
+      tandem::BFloat16 b[8];
+      tandem::Float16 f16[8];
+      for (std::uint32_t k = 0; k < 8; ++k) b[k].bits = f16[k].bits = static_cast<std::uint16_t>(h + k);
+      float from_b[8], from_h[8];
+      tandem::detail::narrow8(tandem::detail::widen8(b), from_b);
+      tandem::detail::narrow8(tandem::detail::widen8(f16), from_h);
+      for (std::uint32_t k = 0; k < 8; ++k) {
+        const float want_b = static_cast<float>(b[k]), want_h = tandem::Float16::to_float(f16[k].bits);
+        if (std::memcmp(&from_b[k], &want_b, 4) != 0) FAIL("float of bf16 bits " << h + k);
+        if (std::memcmp(&from_h[k], &want_h, 4) != 0) FAIL("float of fp16 bits " << h + k);
+      }
+    }
+  }
+  _mm_setcsr(csr);
+  CHECK(lane == 0);
 }
 #endif
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -191,22 +192,33 @@ TEST_CASE_TEMPLATE("pack/unpack round trip, host lanes and CUDA lanes (a warp or
   }
 }
 
-TEST_CASE("a copy with scale 1 keeps every bit, NaN payloads and negative zero included, with either store hint") {
-  const std::uint32_t bits[] = {0x7fc00001u, 0xffc12345u, 0x80000000u, 0x00000001u, 0x7f800000u};
-  const std::size_t n = 101;  // a scalar head, whole groups (four at a time where streaming), a tail
+TEST_CASE_TEMPLATE(
+    "a copy with scale 1 keeps every bit, NaN payloads and negative zero included, with either store hint", T, float,
+    BFloat16, Float16) {
+  // NaN payloads (a signalling one, which a conversion would quiet), negative zero, the smallest subnormal, infinity
+  std::uint32_t bits[] = {0x7fa00001u, 0xffc12345u, 0x80000000u, 0x00000001u, 0x7f800000u};
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const std::uint32_t b[] = {0x7f81u, 0xffc5u, 0x8000u, 0x0001u, 0x7f80u};
+    std::copy(std::begin(b), std::end(b), bits);
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    const std::uint32_t h[] = {0x7c01u, 0xfe05u, 0x8000u, 0x0001u, 0x7c00u};
+    std::copy(std::begin(h), std::end(h), bits);
+  }
+  const std::size_t n = 101;  // a scalar head, whole groups (four at a time on the host), a tail
+  const T one = make<T>(1.0f);
   for (const tandem::StoreHint hint : {tandem::StoreHint::cached, tandem::StoreHint::streaming}) {
-    for (std::size_t offset = 0; offset < 4; ++offset) {
+    for (std::size_t offset = 0; offset < 16 / sizeof(T); ++offset) {
       CAPTURE(offset);
-      tandem::HostBuffer<float> src(n + 4), dst(n + 4);
-      for (std::size_t i = 0; i < n + 4; ++i) {
-        std::memcpy(src.data() + i, &bits[i % 5], 4);
-        dst.data()[i] = 1.0f;
+      tandem::HostBuffer<T> src(n + 8), dst(n + 8);
+      for (std::size_t i = 0; i < n + 8; ++i) {
+        std::memcpy(src.data() + i, &bits[i % 5], sizeof(T));  // (little-endian: the low bytes)
+        dst.data()[i] = one;
       }
-      tandem::CastBody<float, float>{src.data() + offset, dst.data() + offset, n, 1.0f, hint}(0, 0, 1);
+      tandem::CastBody<T, T>{src.data() + offset, dst.data() + offset, n, 1.0f, hint}(0, 0, 1);
       tandem::detail::stream_fence();
-      CHECK(std::memcmp(src.data() + offset, dst.data() + offset, n * 4) == 0);
-      for (std::size_t i = 0; i < n + 4; ++i)
-        if (i < offset || i >= offset + n) CHECK(dst.data()[i] == 1.0f);
+      CHECK(std::memcmp(src.data() + offset, dst.data() + offset, n * sizeof(T)) == 0);
+      for (std::size_t i = 0; i < n + 8; ++i)
+        if (i < offset || i >= offset + n) CHECK(same_bits(dst.data()[i], one));
     }
   }
 }

@@ -10,12 +10,10 @@
 // uses the name, so the renaming reaches only tandem's code.)
 
 namespace rounding_opaque {
-// The value leaves the optimizer's sight: it is stored, the asm may have changed it, and it is loaded again.
-inline float rounded(float x) {
-  __asm__ volatile("" : "+m"(x));
-  return x;
-}
-inline double rounded(double x) {
+// The value (a float, a double, or a host vector of four floats) leaves the optimizer's sight: it is stored, the asm
+// may have changed it, and it is loaded again.
+template <class T>
+inline T rounded(T x) {
   __asm__ volatile("" : "+m"(x));
   return x;
 }

@@ -25,6 +25,7 @@
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
+#include "tandem/kernels/detail/host_simd.hpp"
 #include "tandem/kernels/detail/rounding.hpp"
 
 namespace tandem {
@@ -221,6 +222,23 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     return l;
   };
   auto cast = [&](const Loaded& l) {
+#if TANDEM_HOST_SIMD
+    // A 16-bit type on either side: the group as two vectors of four floats (kernels/detail/host_simd.hpp).
+    if constexpr (G == 8 && host_simd_type<Src> && host_simd_type<Dst>) {
+      if constexpr (Mode == WriteMode::assign && std::is_same_v<Src, Dst>)
+        if (scale == 1.0f) return l.s;  // a plain copy keeps every bit
+      const __m128 k = _mm_set1_ps(scale);
+      Float4x2 x = widen8(l.s.v);
+      x = {mul_rn(k, x.lo), mul_rn(k, x.hi)};
+      if constexpr (Mode == WriteMode::accumulate) {
+        const Float4x2 before = widen8(l.d.v);
+        x = {_mm_add_ps(before.lo, x.lo), _mm_add_ps(before.hi, x.hi)};
+      }
+      Vec<Dst, G> d;
+      narrow8(x, d.v);
+      return d;
+    }
+#endif
     Vec<Dst, G> d;
     if constexpr (Mode == WriteMode::accumulate) d = l.d;
     auto element = [&](std::size_t k) {
@@ -251,22 +269,35 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
   // 16-bit type meets fp32, else 1).
   constexpr std::size_t P = 16 / (sizeof(Src) > sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
   constexpr std::size_t Q = G / P;
-  const bool streaming = hint == StoreHint::streaming && Mode == WriteMode::assign;
-  if (lanes == 1 && streaming) {  // four groups of loads in flight, then the streaming stores
+  // The host (one lane): four groups at a time, every source line of theirs (two of fp32 where a 16-bit type meets it)
+  // and, accumulating, every destination line prefetched 1 KB ahead; then their stores, streaming where the hint says
+  // (assign only). Without the prefetches a single thread waits for memory even in an fp32 accumulate: 64M elements
+  // of fp32 += fp32 took 45 ms, not 36, and fp32 += bf16 79, not 33 (GCC 12, this project's 2-core machines).
+  if (lanes == 1) {
+    const bool streaming = hint == StoreHint::streaming && Mode == WriteMode::assign;
+    auto store = [&](std::size_t g, const Vec<Dst, G>& d) {
+      if (streaming) {
+        stream_vec<Dst, G>(dst + head + g * G, d);
+      } else {
+        store_vec<Dst, G>(dst + head + g * G, d);
+      }
+    };
     std::size_t g = 0;
     for (; g + 4 <= groups; g += 4) {
 #if !TANDEM_IN_DEVICE_CODE && (defined(__GNUC__) || defined(__clang__))
-      __builtin_prefetch(src + head + g * G + 1024 / sizeof(Src));  // a few lines ahead of the loads
+      for (std::size_t b = 0; b < 4 * G * sizeof(Src); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(src + head + g * G) + 1024 + b);
+      if constexpr (Mode == WriteMode::accumulate)
+        for (std::size_t b = 0; b < 4 * G * sizeof(Dst); b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(dst + head + g * G) + 1024 + b, 1);
 #endif
       const Vec<Dst, G> d0 = group(g), d1 = group(g + 1), d2 = group(g + 2), d3 = group(g + 3);
-      stream_vec<Dst, G>(dst + head + g * G, d0);
-      stream_vec<Dst, G>(dst + head + (g + 1) * G, d1);
-      stream_vec<Dst, G>(dst + head + (g + 2) * G, d2);
-      stream_vec<Dst, G>(dst + head + (g + 3) * G, d3);
+      store(g, d0);
+      store(g + 1, d1);
+      store(g + 2, d2);
+      store(g + 3, d3);
     }
-    for (; g < groups; ++g) stream_vec<Dst, G>(dst + head + g * G, group(g));
-  } else if (lanes == 1) {  // the host: unit stride, so the compiler can vectorize across groups
-    for (std::size_t g = 0; g < groups; ++g) store_vec<Dst, G>(dst + head + g * G, group(g));
+    for (; g < groups; ++g) store(g, group(g));
   } else if constexpr (Q == 1) {  // the device: four groups' loads in flight per lane, then their stores
     std::size_t g = lane;
     for (; g + 3 * lanes < groups; g += 4 * lanes) {

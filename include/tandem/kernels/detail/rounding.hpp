@@ -22,6 +22,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "tandem/core/config.hpp"
 
 // The test hook above; nothing else defines it. (The test renames namespace tandem in that translation unit, so
@@ -48,6 +52,11 @@ TANDEM_HD inline double mul_rn(double a, double b) {
   return TANDEM_DETAIL_ROUNDED_PRODUCT(a * b);
 #endif
 }
+
+#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+/// Four products, each rounded on its own (the host's vector conversions, kernels/detail/host_simd.hpp).
+inline __m128 mul_rn(__m128 a, __m128 b) { return TANDEM_DETAIL_ROUNDED_PRODUCT(_mm_mul_ps(a, b)); }
+#endif
 
 /// a / b, correctly rounded (IEEE division on the device whatever -prec-div says).
 TANDEM_HD inline float div_rn(float a, float b) {

@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host's conversions of eight elements at a time where a 16-bit type meets fp32: two vectors of four floats
+// (SSE2, which every x86-64 host compiler targets; TANDEM_HOST_SIMD says whether this build has them).
+// detail::cast_segment (kernels/vector.hpp) moves a group of a 16-bit cast through them: widen8 the source (and,
+// accumulating, the destination), the rounded product and the sum as vectors, narrow8 the result. Compilers
+// vectorize the scalar conversions of core/dtype.hpp poorly or not at all (Float16's has branches; GCC 12's -O3 made
+// the fp32 -> bf16 pack slower than -O2), so the scalar forms left fp32 -> bf16 and every fp16 cast bound by
+// arithmetic, not memory (docs/performance.md, "Pack and unpack").
+//
+// Every function gives, lane by lane, the bits of the scalar conversion it replaces: BFloat16::from_float,
+// Float16::from_float and Float16::to_float, and a bf16's float (its bits shifted up). tests/test_dtype.cpp checks
+// them against those on every 16-bit pattern and on every float rounding case. The integer work follows the scalar
+// forms; the two float operations (fp16's subnormal rounding and widening) are exact or correctly rounded in the
+// default rounding mode, whatever the flush-to-zero and denormals-are-zero flags say: no input or result of theirs
+// is subnormal.
+#pragma once
+
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#define TANDEM_HOST_SIMD 1
+#include <emmintrin.h>
+#else
+#define TANDEM_HOST_SIMD 0
+#endif
+
+#if TANDEM_HOST_SIMD
+
+#include <type_traits>
+
+#include "tandem/core/dtype.hpp"
+
+namespace tandem::detail {
+
+/// Eight elements as floats: elements 0..3 in lo, 4..7 in hi.
+struct Float4x2 {
+  __m128 lo, hi;
+};
+
+/// The types widen8 and narrow8 take.
+template <class T>
+inline constexpr bool host_simd_type =
+    std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
+
+namespace simd {
+
+inline __m128i splat(unsigned x) { return _mm_set1_epi32(static_cast<int>(x)); }
+
+inline __m128i select(__m128i mask, __m128i yes, __m128i no) {
+  return _mm_or_si128(_mm_and_si128(mask, yes), _mm_andnot_si128(mask, no));
+}
+
+/// Four fp16 patterns (zero-extended into 32-bit lanes) as floats: Float16::to_float.
+inline __m128 half_to_float(__m128i h) {
+  const __m128i exponent_mask = splat(0x7c00u << 13);
+  const __m128i rebias = splat(112u << 23);  // 127 - 15
+  __m128i o = _mm_slli_epi32(_mm_and_si128(h, splat(0x7fffu)), 13);
+  const __m128i exponent = _mm_and_si128(o, exponent_mask);
+  o = _mm_add_epi32(o, rebias);
+  o = _mm_add_epi32(o, _mm_and_si128(_mm_cmpeq_epi32(exponent, exponent_mask), rebias));  // inf and NaN: 255
+  // zero and subnormals: m * 2^-24, as (1 + m / 1024) * 2^-14 less 2^-14, both normal, so the difference is exact
+  const __m128 subnormal =
+      _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(o, splat(1u << 23))), _mm_castsi128_ps(splat(113u << 23)));
+  o = select(_mm_cmpeq_epi32(exponent, _mm_setzero_si128()), _mm_castps_si128(subnormal), o);
+  return _mm_castsi128_ps(_mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, splat(0x8000u)), 16)));
+}
+
+/// Four floats as fp16 patterns in the low halves of 32-bit lanes: Float16::from_float.
+inline __m128i float_to_half(__m128 f) {
+  const __m128i x = _mm_castps_si128(f);
+  const __m128i sign = _mm_and_si128(x, splat(0x80000000u));
+  const __m128i ax = _mm_xor_si128(x, sign);  // < 2^31: signed compares order it
+  // at or above 65520: infinity, or a quiet NaN
+  const __m128i overflow = _mm_cmpgt_epi32(ax, splat(0x477ff000u - 1u));
+  const __m128i nan = _mm_cmpgt_epi32(ax, splat(0x7f800000u));
+  const __m128i big = _mm_or_si128(splat(0x7c00u), _mm_and_si128(nan, splat(0x0200u)));
+  // below 2^-14: adding 0.5 rounds to a multiple of 2^-24 (to nearest, ties to even), and the multiple is the
+  // subnormal's pattern (2^-14 itself carries into the smallest normal, 0x400)
+  const __m128i half = splat(126u << 23);
+  const __m128i small = _mm_cmpgt_epi32(splat(0x38800000u), ax);
+  const __m128i subnormal =
+      _mm_sub_epi32(_mm_castps_si128(_mm_add_ps(_mm_castsi128_ps(ax), _mm_castsi128_ps(half))), half);
+  // normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest, ties to the even pattern
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(ax, 13), splat(1u));
+  const __m128i normal = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(ax, splat(0xfffu - 0x38000000u)), odd), 13);
+  const __m128i bits = select(overflow, big, select(small, subnormal, normal));
+  return _mm_or_si128(bits, _mm_srli_epi32(sign, 16));
+}
+
+/// Four floats as bf16 patterns, each in the high half of its 32-bit lane (the low half is not specified):
+/// BFloat16::from_float.
+inline __m128i float_to_bf16_high(__m128 f) {
+  const __m128i x = _mm_castps_si128(f);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(x, 16), splat(1u));
+  const __m128i rounded = _mm_add_epi32(_mm_add_epi32(x, splat(0x7fffu)), odd);  // ties to the even neighbour
+  const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(x, splat(0x7fffffffu)), splat(0x7f800000u));
+  return select(nan, _mm_or_si128(x, splat(0x0040u << 16)), rounded);  // a NaN stays a quiet NaN
+}
+
+/// Eight 16-bit patterns, from the high halves of a's and b's lanes, in memory order.
+inline __m128i pack_high_halves(__m128i a, __m128i b) {
+  // signed saturation keeps a lane that is already a sign-extended 16-bit value as it is
+  return _mm_packs_epi32(_mm_srai_epi32(a, 16), _mm_srai_epi32(b, 16));
+}
+
+}  // namespace simd
+
+/// p[0..7] as floats.
+template <class T>
+inline Float4x2 widen8(const T* p) {
+  static_assert(host_simd_type<T>);
+  if constexpr (std::is_same_v<T, float>) {
+    return {_mm_loadu_ps(p), _mm_loadu_ps(p + 4)};
+  } else {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i zero = _mm_setzero_si128();
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      return {_mm_castsi128_ps(_mm_unpacklo_epi16(zero, w)), _mm_castsi128_ps(_mm_unpackhi_epi16(zero, w))};
+    } else {
+      return {simd::half_to_float(_mm_unpacklo_epi16(w, zero)), simd::half_to_float(_mm_unpackhi_epi16(w, zero))};
+    }
+  }
+}
+
+/// p[0..7] = T(x's elements).
+template <class T>
+inline void narrow8(const Float4x2& x, T* p) {
+  static_assert(host_simd_type<T>);
+  if constexpr (std::is_same_v<T, float>) {
+    _mm_storeu_ps(p, x.lo);
+    _mm_storeu_ps(p + 4, x.hi);
+  } else {
+    const __m128i w = std::is_same_v<T, BFloat16>
+                          ? simd::pack_high_halves(simd::float_to_bf16_high(x.lo), simd::float_to_bf16_high(x.hi))
+                          : simd::pack_high_halves(_mm_slli_epi32(simd::float_to_half(x.lo), 16),
+                                                   _mm_slli_epi32(simd::float_to_half(x.hi), 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), w);
+  }
+}
+
+}  // namespace tandem::detail
+
+#endif  // TANDEM_HOST_SIMD
