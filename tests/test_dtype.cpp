@@ -139,10 +139,14 @@ TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
   const std::uint32_t fp16_cases[] = {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu};
   const std::uint32_t bf16_cases[] = {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu};
   // The flush-to-zero and denormals-are-zero flags change nothing (the header says so): a second pass with both set.
-  const unsigned csr = _mm_getcsr();
+  // The flags are restored however the case ends.
+  struct RestoreFlags {
+    unsigned csr = _mm_getcsr();
+    ~RestoreFlags() { _mm_setcsr(csr); }
+  } const restore;
   for (const unsigned flags : {0u, 0x8040u}) {
     CAPTURE(flags);
-    _mm_setcsr(csr | flags);
+    _mm_setcsr(restore.csr | flags);
     for (std::uint32_t hi = 0; hi < (1u << 19); ++hi)
       for (const std::uint32_t lo : fp16_cases) add((hi << 13) | lo);
     for (std::uint32_t hi = 0; hi < (1u << 16); ++hi)
@@ -166,7 +170,6 @@ TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
       }
     }
   }
-  _mm_setcsr(csr);
   CHECK(lane == 0);
 }
 #endif
