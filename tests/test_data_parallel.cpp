@@ -1038,6 +1038,44 @@ TEST_CASE("last_step() reports no step before the first optimizer step and after
   std::filesystem::remove_all(dir);
 }
 
+namespace {
+
+/// GradientSharded with a reduce_gradients of its own that reduces in place only, and does not declare that it
+/// honours BucketView::reduced.
+struct InPlaceGradientSharded : tandem::ReduceEveryMicroStep, tandem::GatherAfterUpdate {
+  static constexpr const char* name = "InPlaceGradientSharded";
+  static constexpr tandem::StateSharding state = tandem::StateSharding::sharded;
+  template <tandem::Communicator C>
+  static void reduce_gradients(C& comm, const tandem::BucketView& b) {
+    auto* base = static_cast<unsigned char*>(b.grad);
+    comm.reduce_scatter(base, base + static_cast<std::size_t>(b.rank) * b.shard_size * tandem::dtype_size(b.grad_dtype),
+                        b.shard_size, b.grad_dtype, tandem::ReduceOp::sum, b.stream);
+  }
+  template <tandem::Communicator C>
+  static void gather_parameters(C& comm, const tandem::BucketView& b) {
+    tandem::GradientSharded::gather_parameters(comm, b);
+  }
+  static tandem::Buffers buffers(const tandem::BufferInputs& in) { return tandem::GradientSharded::buffers(in); }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "a policy that reduces every micro-step without declaring it honours BucketView::reduced is given none: it trains "
+    "bit for bit as GradientSharded") {
+  static_assert(tandem::honours_reduced<tandem::GradientSharded> && tandem::honours_reduced<tandem::ParameterSharded>);
+  static_assert(!tandem::honours_reduced<InPlaceGradientSharded> && !tandem::honours_reduced<tandem::Replicated>);
+  for (const int accumulation : {1, 2}) {
+    for (const int world : {2, 3}) {
+      CAPTURE(accumulation);
+      CAPTURE(world);
+      const Config c{.world = world, .accumulation = accumulation};
+      CHECK(bitwise_equal(train_tandem<InPlaceGradientSharded, tandem::AdamW, float>(c, adamw_options),
+                          train_tandem<tandem::GradientSharded, tandem::AdamW, float>(c, adamw_options)));
+    }
+  }
+}
+
 TEST_CASE("store_optimizer_options() validates the options it stores") {
   tandem::LocalGroup(1).run([&](tandem::LocalComm& comm) {
     std::vector<float> w(64, 1.0f), g(64, 0.0f);

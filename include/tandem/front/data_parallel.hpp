@@ -1375,13 +1375,13 @@ class DataParallel {
 
   /// ReduceEveryMicroStep: this micro-step's gradients of bucket b (the storage mode's) reduced by the policy into the
   /// shard accumulator: at the window's first micro-step written there by the collective itself, where the accumulator
-  /// has the reduction's dtype (no copy after it); otherwise reduced in place and landed (assigned, or added after the
-  /// first micro-step). Then they are dropped. All on the comm stream: copy mode's pack into the shared staging bucket
-  /// too, so that only the comm stream uses it.
+  /// has the reduction's dtype and the policy honours BucketView::reduced (no copy after it); otherwise reduced in
+  /// place and landed (assigned, or added after the first micro-step). Then they are dropped. All on the comm stream:
+  /// copy mode's pack into the shared staging bucket too, so that only the comm stream uses it.
   void reduce_into_shard(std::size_t b) {
     const Stream s = after_work();
     float* grads = (this->*steps_->micro_step_gradients)(b, s);
-    if (micro_ == 0 && state_.grad_shard_dtype() == options_.reduce_dtype) {
+    if (honours_reduced<P> && micro_ == 0 && state_.grad_shard_dtype() == options_.reduce_dtype) {
       reduce(b, grads, s, owned_grads(b));
     } else {
       const void* reduced = reduce(b, grads, s);

@@ -13,6 +13,8 @@ namespace detail {
 /// The collectives the sharded policies run on a bucket: reduce-scatter (in place, or into BucketView::reduced) and
 /// in-place all-gather.
 struct ShardedCollectives {
+  static constexpr bool reduces_into_reduced = true;  ///< (honours_reduced)
+
   template <Communicator C>
   static void reduce_gradients(C& comm, const BucketView& b) {
     auto* base = static_cast<unsigned char*>(b.grad);

@@ -47,8 +47,8 @@ struct ArchetypeBucketOps {
   /// Reduces b's full local gradients with the policy's reduce_gradients; the owned range then holds the reduced sum.
   void reduce(std::size_t b);
   /// Reduces this micro-step's gradients of b with the policy's reduce_gradients into the shard accumulator (written
-  /// there by the collective at a window's first micro-step, added after); the bucket's full gradients are then dropped
-  /// (their buffer is free for the next bucket).
+  /// there by the collective at a window's first micro-step where the policy honours BucketView::reduced, added
+  /// after); the bucket's full gradients are then dropped (their buffer is free for the next bucket).
   void reduce_into_shard(std::size_t b);
   /// Runs the policy's gather_parameters over b's full parameters in place (the update wrote this rank's owned part).
   void gather(std::size_t b);

@@ -176,10 +176,19 @@ struct BucketView {
   int rank = 0;
   Stream stream = {};
   /// Where the reduction writes the reduced owned range instead (its elements of grad_dtype, apart from `grad`), or
-  /// nullptr: in place. The front sets it only for a gradient scheme that reduces every micro-step, at the first
-  /// micro-step of a window: the shard accumulator then takes the reduced shard from the collective itself. A policy of
-  /// that scheme must honour it.
+  /// nullptr: in place. The front sets it only for a policy that declares it honours it (honours_reduced), of a
+  /// gradient scheme that reduces every micro-step, at the first micro-step of a window: the shard accumulator then
+  /// takes the reduced shard from the collective itself.
   void* reduced = nullptr;
+};
+
+/// Whether P's reduce_gradients writes the reduced owned range to BucketView::reduced where the front sets it: P
+/// declares `static constexpr bool reduces_into_reduced = true` beside that hook (detail::ShardedCollectives does).
+/// For any other policy `reduced` stays nullptr: the reduction is in place, and the front copies the shard into the
+/// accumulator after it, as at a window's later micro-steps.
+template <class P>
+inline constexpr bool honours_reduced = requires {
+  requires P::reduces_into_reduced;
 };
 
 /// A policy: its name and traits, its phase hooks (a gradient scheme and a parameter scheme of policy/phases.hpp, or
