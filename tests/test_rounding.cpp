@@ -192,8 +192,8 @@ TEST_CASE("pack bodies give the same bits with FMA contraction (many tensors, mi
     bool accumulate;
     float scale;
   };
-  // A scale whose products with the user's values are inexact: a 16-bit value times 0.75 is exact in fp32, and so
-  // the same with an FMA.
+  // 16-bit sources accumulate at scale 1/3: a 16-bit value times 0.75 is exact in fp32, so a fused product would give
+  // the same bits as a rounded one, and the test could not tell them apart.
   for (const Kind& k : {Kind{Dt::fp32, Dt::fp32, true, 0.75f}, Kind{Dt::bf16, Dt::fp32, true, 1.0f / 3},
                         Kind{Dt::fp16, Dt::fp32, true, 1.0f / 3}, Kind{Dt::fp32, Dt::bf16, true, 1.0f / 3},
                         Kind{Dt::fp32, Dt::bf16, false, 0.25f}, Kind{Dt::fp32, Dt::fp32, false, 1.0f / 3}}) {
