@@ -20,7 +20,7 @@
 
 #include "tandem/core/config.hpp"
 
-#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#if TANDEM_HOST_SSE2
 #include <emmintrin.h>
 #endif
 
@@ -107,7 +107,7 @@ namespace detail {
 /// Orders streaming (non-temporal) stores before later stores on x86 hosts; nothing elsewhere. The host
 /// backend calls it after each launch; on CUDA the end of a kernel does the same.
 TANDEM_HD inline void stream_fence() {
-#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+#if TANDEM_HOST_SSE2
   _mm_sfence();
 #endif
 }

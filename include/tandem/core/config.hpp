@@ -60,6 +60,14 @@
 #define TANDEM_IN_DEVICE_CODE 0
 #endif
 
+// 1 in host code built for x86 with SSE2 (every x86-64 compiler's baseline): the host backend's streaming stores and
+// 16-bit vector conversions use its intrinsics; 0 elsewhere, where they fall back to plain code.
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#define TANDEM_HOST_SSE2 1
+#else
+#define TANDEM_HOST_SSE2 0
+#endif
+
 // The one place of tandem's version: CMakeLists.txt reads these three lines.
 #define TANDEM_VERSION_MAJOR 0
 #define TANDEM_VERSION_MINOR 1

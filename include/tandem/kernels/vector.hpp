@@ -18,10 +18,6 @@
 #include <cstring>
 #include <type_traits>
 
-#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include "tandem/backend/launch.hpp"
 #include "tandem/core/config.hpp"
 #include "tandem/core/dtype.hpp"
@@ -158,7 +154,7 @@ TANDEM_HD inline void store_part(T* p, const Vec<T, N>& v, std::size_t k) {
 /// The host backend fences after every launch (detail::stream_fence in backend/launch.hpp).
 template <class T, std::size_t N>
 TANDEM_HD inline void stream_vec(T* p, const Vec<T, N>& v) {
-#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+#if TANDEM_HOST_SSE2
   static_assert(sizeof(Vec<T, N>) % 16 == 0, "streaming stores move whole 16-byte vectors");
   const char* from = reinterpret_cast<const char*>(&v);
   char* to = reinterpret_cast<char*>(p);
@@ -222,7 +218,7 @@ TANDEM_HD inline void cast_segment(const Src* src, Dst* dst, std::size_t n, floa
     return l;
   };
   auto cast = [&](const Loaded& l) {
-#if TANDEM_HOST_SIMD
+#if TANDEM_HOST_SSE2
     // A 16-bit type on either side: the group as two vectors of four floats (kernels/detail/host_simd.hpp).
     if constexpr (G == 8 && host_simd_type<Src> && host_simd_type<Dst>) {
       if constexpr (Mode == WriteMode::assign && std::is_same_v<Src, Dst>)

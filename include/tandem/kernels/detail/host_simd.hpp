@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host's conversions of eight elements at a time where a 16-bit type is on either side of a cast: two vectors of
-// four floats (SSE2, which every x86-64 host compiler targets; TANDEM_HOST_SIMD says whether this build has them).
-// detail::cast_segment (kernels/vector.hpp) moves such a group through them: widen8 the source (and, accumulating,
-// the destination), the rounded product and the sum as vectors, narrow8 the result. Compilers vectorize the scalar
-// conversions of core/dtype.hpp poorly or not at all (Float16's has branches; GCC 12 made the fp32 -> bf16 pack
-// slower at -O3 than at -O2): with them the host pack of GPT-2 into bf16 ran at 0.33x copy and into fp16 at 0.11x,
+// four floats (SSE2, which every x86-64 host compiler targets; TANDEM_HOST_SSE2, core/config.hpp, says whether this
+// build has them). detail::cast_segment (kernels/vector.hpp) moves such a group through them: widen8 the source (and,
+// accumulating, the destination), the rounded product and the sum as vectors, narrow8 the result. Compilers vectorize
+// the scalar conversions of core/dtype.hpp poorly or not at all (Float16's has branches; GCC 12 made the fp32 -> bf16
+// pack slower at -O3 than at -O2): with them the host pack of GPT-2 into bf16 ran at 0.33x copy and into fp16 at 0.11x,
 // with these at 0.65x and 0.40x (bench_pack; fp16's rounding is still bound by arithmetic at SSE2's width).
 //
 // Every function gives, lane by lane, the bits of the scalar conversion it replaces: BFloat16::from_float,
@@ -15,14 +15,11 @@
 // theirs is subnormal, and a subnormal float rounds to an fp16 zero whether or not it is read as zero.
 #pragma once
 
-#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
-#define TANDEM_HOST_SIMD 1
-#include <emmintrin.h>
-#else
-#define TANDEM_HOST_SIMD 0
-#endif
+#include "tandem/core/config.hpp"
 
-#if TANDEM_HOST_SIMD
+#if TANDEM_HOST_SSE2
+
+#include <emmintrin.h>
 
 #include <type_traits>
 
@@ -139,4 +136,4 @@ inline void narrow8(const Float4x2& x, T* p) {
 
 }  // namespace tandem::detail
 
-#endif  // TANDEM_HOST_SIMD
+#endif  // TANDEM_HOST_SSE2

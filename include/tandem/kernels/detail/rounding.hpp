@@ -22,11 +22,11 @@
 #include <cmath>
 #include <cstdint>
 
-#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#include "tandem/core/config.hpp"
+
+#if TANDEM_HOST_SSE2
 #include <xmmintrin.h>
 #endif
-
-#include "tandem/core/config.hpp"
 
 // The test hook above; nothing else defines it. (The test renames namespace tandem in that translation unit, so
 // its differently defined inline functions never meet the ordinary ones.)
@@ -53,7 +53,7 @@ TANDEM_HD inline double mul_rn(double a, double b) {
 #endif
 }
 
-#if !TANDEM_IN_DEVICE_CODE && defined(__SSE2__)
+#if TANDEM_HOST_SSE2
 /// Four products, each rounded on its own (the host's vector conversions, kernels/detail/host_simd.hpp).
 inline __m128 mul_rn(__m128 a, __m128 b) { return TANDEM_DETAIL_ROUNDED_PRODUCT(_mm_mul_ps(a, b)); }
 #endif
