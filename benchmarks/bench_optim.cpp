@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// SGD and AdamW updates of one flat shard (the owned range of DataParallel's step), fp32 and bf16 parameters,
+// SGD and AdamW updates of one flat shard (the owned range of DataParallel's step), fp32, bf16 and fp16 parameters,
 // against a copy moving the same bytes (x_copy = the copy ceiling's time for half the traffic / the update's time:
 // support.hpp's copy_seconds, the faster of memcpy and a streaming copy).
 #include <benchmark/benchmark.h>
@@ -59,6 +59,11 @@ BENCHMARK(BM_update<tandem::AdamW, float>)
     ->UseRealTime();
 BENCHMARK(BM_update<tandem::AdamW, tandem::BFloat16>)
     ->Name("adamw/bf16")
+    ->RangeMultiplier(16)
+    ->Range(1 << 16, 1 << 24)
+    ->UseRealTime();
+BENCHMARK(BM_update<tandem::AdamW, tandem::Float16>)
+    ->Name("adamw/fp16")
     ->RangeMultiplier(16)
     ->Range(1 << 16, 1 << 24)
     ->UseRealTime();
