@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,10 +14,12 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../examples/mlp/mlp.hpp"
 #include "support/backend.hpp"
+#include "support/comm.hpp"
 #include "support/params.hpp"
 #include "support/temp_path.hpp"
 #include "tandem/tandem.hpp"
@@ -670,10 +673,13 @@ struct TwoTensorSteps {
   static constexpr std::size_t n = 3000, half = n / 2;
   QuadraticProblem problem{n};
   tandem::HostStream user;
-  tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend> dp;
+  test::StreamGate gate;  ///< holds the work after each captured collective, where closed (test::CountingComm)
+  test::CountingComm gated;
+  tandem::DataParallel<Policy, tandem::AdamW, tandem::StreamHostBackend, test::CountingComm> dp;
   tandem::StreamHostBackend launcher;
   TwoTensorSteps(tandem::LocalComm& comm, tandem::StepReport report)
-      : dp(comm,
+      : gated{.comm = comm, .gate = &gate},
+        dp(gated,
            {{"a", problem.w.data(), problem.g.data(), half},
             {"b", problem.w.data() + half, problem.g.data() + half, n - half}},
            {.lr = 1e-2f}, {.bucket_cap_bytes = 4096, .step_report = report, .stream = user.stream()}) {
@@ -755,10 +761,24 @@ TEST_CASE_TEMPLATE(
         refused(two_groups, 1,
                 [&] { world > 1 ? (void)dp.all_ranks_have_batch(tandem::Batch::available) : (void)dp.last_step(); });
         refused(one_group, 2, [&] { dp.last_step(); });
+        const std::size_t held = t.gate.holds();
         const tandem::HostGraph swapped = capture();
-        swapped.replay();
-        // the same count and assignment: the captured step stays good, and the replays take the new options
-        dp.set_optimizer_groups(halved, {1, 0});
+        {
+          // In the replay, the work after the last collective the step captured waits until another thread opens the
+          // gate, 50 ms on. set_optimizer_groups's own collectives come after the replay's (LocalComm orders them as
+          // issued, as NCCL does), so that work is what the options it stores could overtake: under Replicated the
+          // step's updates (under the sharded policies an all-gather follows the updates). It stores them in the
+          // user's stream's order, after the whole replay, which takes the options before, as the eager step does.
+          REQUIRE(t.gate.holds() > held);
+          t.gate.close(t.gate.holds() - 1);
+          swapped.replay();
+          const std::jthread opener([&t] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            t.gate.open();
+          });
+          // the same count and assignment: the captured step stays good, and the replays take the new options
+          dp.set_optimizer_groups(halved, {1, 0});
+        }
         swapped.replay();
         // a change of groups during a capture is refused on every rank (it would be made at each replay)
         user.begin_capture();

@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// A test double around LocalComm that counts the collectives it is asked for and can fail one of them, and the
-// message of what a call throws.
+// A test double around LocalComm that counts the collectives it is asked for, can fail one of them and can hold the
+// work after each behind a gate; the gate; and the message of what a call throws.
 #pragma once
 
 #include <array>
+#include <condition_variable>
 #include <cstddef>
+#include <mutex>
 #include <string>
 
+#include "tandem/backend/host_stream.hpp"
 #include "tandem/comm/local_group.hpp"
 #include "tandem/core/error.hpp"
 
@@ -14,12 +17,58 @@ namespace test {
 
 enum class Collective { all_reduce, reduce_scatter, all_gather, broadcast };
 
+/// Numbered operations that work on HostStreams can be made to wait behind: hold(s) enqueues on s operation number
+/// holds() (from 0), which, whenever it runs (in each replay of a graph, where s was capturing), waits while it is the
+/// one closed (close(k)) until open(). close() and open() may be called from any thread. A gate must outlive every
+/// stream and graph that holds an operation of it.
+class StreamGate {
+ public:
+  void hold(tandem::Stream s) {
+    if (s.kind != tandem::StreamKind::host_queue || s.handle == nullptr)
+      throw tandem::error("test::StreamGate holds the work of a HostStream only");
+    std::size_t k = 0;
+    {
+      std::lock_guard lock(mutex_);
+      k = made_++;
+    }
+    static_cast<tandem::HostStream*>(s.handle)->enqueue([this, k] {
+      std::unique_lock lock(mutex_);
+      opened_.wait(lock, [this, k] { return closed_ != k; });
+    });
+  }
+  /// How many operations hold() has made.
+  std::size_t holds() {
+    std::lock_guard lock(mutex_);
+    return made_;
+  }
+  void close(std::size_t k) {
+    std::lock_guard lock(mutex_);
+    closed_ = k;
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      closed_ = none;
+    }
+    opened_.notify_all();
+  }
+
+ private:
+  static constexpr std::size_t none = ~std::size_t{0};
+  std::mutex mutex_;
+  std::condition_variable opened_;
+  std::size_t made_ = 0, closed_ = none;
+};
+
 /// LocalComm, counting its collectives by kind and by kind and dtype; the call of kind `fail_kind` numbered `fail_at`
-/// (0-based) throws tandem::error before doing anything.
+/// (0-based) throws tandem::error before doing anything; where `gate` is set, a collective issued on a capturing
+/// HostStream is followed there by StreamGate::hold, so that in the graph's replays the work after it waits behind
+/// the gate (collectives outside a capture are not held).
 struct CountingComm {
   tandem::LocalComm& comm;
   Collective fail_kind = Collective::reduce_scatter;
   int fail_at = -1;  ///< none
+  StreamGate* gate = nullptr;
   std::array<int, 4> calls{};
   std::array<std::array<int, 4>, 4> calls_in{};  ///< [kind][dtype]
 
@@ -32,18 +81,22 @@ struct CountingComm {
   void all_reduce(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
     called(Collective::all_reduce, d);
     comm.all_reduce(s, r, n, d, op, st);
+    held(st);
   }
   void reduce_scatter(const void* s, void* r, std::size_t n, tandem::DType d, tandem::ReduceOp op, tandem::Stream st) {
     called(Collective::reduce_scatter, d);
     comm.reduce_scatter(s, r, n, d, op, st);
+    held(st);
   }
   void all_gather(const void* s, void* r, std::size_t n, tandem::DType d, tandem::Stream st) {
     called(Collective::all_gather, d);
     comm.all_gather(s, r, n, d, st);
+    held(st);
   }
   void broadcast(const void* s, void* r, std::size_t n, tandem::DType d, int root, tandem::Stream st) {
     called(Collective::broadcast, d);
     comm.broadcast(s, r, n, d, root, st);
+    held(st);
   }
   void barrier() { comm.barrier(); }
 
@@ -55,6 +108,11 @@ struct CountingComm {
       throw tandem::error("injected collective failure");
     }
     ++calls[static_cast<std::size_t>(c)];
+  }
+  void held(tandem::Stream st) {
+    if (gate != nullptr && st.kind == tandem::StreamKind::host_queue && st.handle != nullptr &&
+        static_cast<tandem::HostStream*>(st.handle)->capturing())
+      gate->hold(st);
   }
 };
 static_assert(tandem::Communicator<CountingComm>);
