@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // A test double around LocalComm that counts the collectives it is asked for, can fail one of them and can hold the
-// work after each behind a gate; the gate; and the message of what a call throws.
+// work after each one captured in a graph behind a gate; the gate; and the message of what a call throws.
 #pragma once
 
 #include <array>
