@@ -24,14 +24,14 @@ enum class Collective { all_reduce, reduce_scatter, all_gather, broadcast };
 class StreamGate {
  public:
   void hold(tandem::Stream s) {
-    if (s.kind != tandem::StreamKind::host_queue || s.handle == nullptr)
-      throw tandem::error("test::StreamGate holds the work of a HostStream only");
+    tandem::HostStream* q = tandem::detail::host_queue(s);
+    if (q == nullptr) throw tandem::error("test::StreamGate holds the work of a HostStream only");
     std::size_t k = 0;
     {
       std::lock_guard lock(mutex_);
       k = made_++;
     }
-    static_cast<tandem::HostStream*>(s.handle)->enqueue([this, k] {
+    q->enqueue([this, k] {
       std::unique_lock lock(mutex_);
       opened_.wait(lock, [this, k] { return closed_ != k; });
     });
@@ -110,9 +110,9 @@ struct CountingComm {
     ++calls[static_cast<std::size_t>(c)];
   }
   void held(tandem::Stream st) {
-    if (gate != nullptr && st.kind == tandem::StreamKind::host_queue && st.handle != nullptr &&
-        static_cast<tandem::HostStream*>(st.handle)->capturing())
-      gate->hold(st);
+    if (gate == nullptr) return;
+    tandem::HostStream* q = tandem::detail::host_queue(st);
+    if (q != nullptr && q->capturing()) gate->hold(st);
   }
 };
 static_assert(tandem::Communicator<CountingComm>);
