@@ -817,6 +817,10 @@ std::pair<test::Params, std::string> train_owned_captured(bool captured) {
       user.begin_capture();
       try {
         optimizer_step(batch);
+        // after the captured step, a call that waits on the host refuses by name, and the capture ends whole
+        CHECK_THROWS_WITH_AS(dp.template initialize_parameters<float>([](std::size_t, float*) {}),
+                             doctest::Contains("initialize_parameters while the user's stream is capturing"),
+                             tandem::error);
       } catch (const tandem::error& e) {
         refused = e.what();
         (void)user.end_capture();

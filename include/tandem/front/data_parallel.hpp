@@ -360,9 +360,11 @@ class DataParallel {
   /// It also checks the rule: if the ranks have taken different numbers of micro-steps so far, every rank throws
   /// tandem::error naming them. Costs one all-gather of two words per rank. Under StepReport::deferred it then reports
   /// the optimizer steps taken so far, as last_step() does, and throws for those refused since the last report.
+  /// Refused while the user's stream is capturing (a host wait; a graph would not run it again at each replay).
   bool all_ranks_have_batch(Batch mine) {
     check_live("all_ranks_have_batch");
-    if (options_.step_report == StepReport::deferred) refuse_capture("all_ranks_have_batch", Uncapturable::host_wait);
+    // Under either StepReport: the gather waits on the work stream, which a step captured before has joined
+    refuse_capture("all_ranks_have_batch", Uncapturable::host_wait);
     const std::uint64_t taken =
         windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
     // 0: available, 1: exhausted, else not a Batch (every rank learns of it, none is left in the gather)
@@ -388,9 +390,11 @@ class DataParallel {
 
   /// Reduces host values (a loss, accuracy counts) across ranks in place: every rank receives the sum over ranks or,
   /// with ReduceOp::avg, their mean, added in rank order under LocalGroup and Mpi. Collective: every rank passes as
-  /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream.
+  /// many values. It goes through backend memory (NCCL reduces device memory only) and waits for the work stream, so
+  /// it is refused while the user's stream is capturing.
   TANDEM_COLD void all_reduce_host(std::span<double> values, ReduceOp op = ReduceOp::sum) {
     check_live("all_reduce_host");
+    refuse_capture("all_reduce_host", Uncapturable::host_wait);
     if (values.empty()) return;
     join_comm();  // a collective on the work stream: after those of the comm stream
     Buffer<double> staging = detail::allocate_named<double>(backend_, values.size(), "all_reduce_host's staging");
@@ -553,6 +557,8 @@ class DataParallel {
   /// file).
   TANDEM_COLD CheckpointMetadata load_checkpoint(const std::string& path) {
     check_live("load_checkpoint");  // a moved-from object has no state to restore, nor a collective to take part in
+    // before the ranks' agreement below: its wait, on the work stream, would fail where a captured step joined it
+    refuse_capture("load_checkpoint", Uncapturable::host_wait);
     // A save that commits into the directory while the ranks read it (another job's: a load takes no lock) removes the
     // files of the checkpoint it replaces: a rank then cannot open one, or open again one it closed (and on NFS, reads
     // of one that another node removed fail), or the ranks read two manifests. They then read it again, together.
@@ -572,7 +578,6 @@ class DataParallel {
       try {
         check_no_open_bucket("load_checkpoint");
         check_no_open_parameters("load_checkpoint");
-        refuse_capture("load_checkpoint", Uncapturable::host_wait);
         looked = true;
         hook(detail::LoadPhase::reading);
         if (std::filesystem::is_directory(path)) {
@@ -824,11 +829,13 @@ class DataParallel {
   /// rank. Under ParameterSharded this is the only way to set them, and it never holds more than one bucket; under the
   /// other policies it writes the views and calls broadcast_parameters(root). Collective. Call it before the first
   /// step(); optimizer state and the step count are left as they are. If `fill` throws on the root, every rank throws
-  /// tandem::error saying so, and stepping is refused until a call succeeds.
+  /// tandem::error saying so, and stepping is refused until a call succeeds. Refused while the user's stream is
+  /// capturing: the ranks learn of the fill's outcome by a host wait.
   template <class T, class Fill>
   TANDEM_COLD void initialize_parameters(Fill&& fill, int root = 0) {
     check_live("initialize_parameters");
     require_owned("initialize_parameters");
+    refuse_capture("initialize_parameters", Uncapturable::host_wait);
     if (dtype_of<T> != pdtype_)
       detail::fail(std::string("tandem: initialize_parameters<") + dtype_name(dtype_of<T>) + ">: the parameters are " +
                    dtype_name(pdtype_));
@@ -907,8 +914,8 @@ class DataParallel {
   /// device made the same verdicts, so the ranks that ask throw alike, but only they do; all_ranks_have_batch() and
   /// save_checkpoint() throw on every rank for the refusals they have not reported together, whichever ranks called
   /// last_step() since. Before the first optimizer step, and after a load, `updated` and `skipped` are false. Refused
-  /// while the user's stream is capturing (a host wait), as save_checkpoint, load_checkpoint and, under deferred,
-  /// all_ranks_have_batch() are.
+  /// while the user's stream is capturing (a host wait), as save_checkpoint, load_checkpoint, all_ranks_have_batch(),
+  /// all_reduce_host and initialize_parameters are.
   StepResult last_step() {
     check_live("last_step()");
     refuse_capture("last_step()", Uncapturable::host_wait);
@@ -1100,6 +1107,8 @@ class DataParallel {
   ///   dp.set_optimizer_groups({dp.optimizer_options(), no_decay}, group);
   TANDEM_COLD void set_optimizer_groups(std::vector<OptimizerOptions> groups, std::vector<std::size_t> group_of) {
     check_live("set_optimizer_groups");
+    // before the ranks' agreement below: its wait, on the work stream, would fail where a captured step joined it
+    refuse_capture("set_optimizer_groups", Uncapturable::regroup);
     std::string problem;
     try {
       if (groups.empty()) detail::fail("tandem: set_optimizer_groups: no groups; give at least one");
@@ -1111,7 +1120,6 @@ class DataParallel {
           detail::fail("tandem: set_optimizer_groups: " + layout_.describe(i) + " is in group " +
                        std::to_string(group_of[i]) + " of " + std::to_string(groups.size()));
       for (std::size_t g = 0; g < groups.size(); ++g) check_group(groups[g], g, groups.size(), "set_optimizer_groups");
-      refuse_capture("set_optimizer_groups", Uncapturable::regroup);
       control_.reserve_groups(backend_, groups.size());  // room for the groups' scalars; every rank learns a failure
     } catch (const std::exception& e) {
       problem = e.what();
