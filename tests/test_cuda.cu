@@ -852,6 +852,41 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaStreamDestroy(other));
   }
 
+  TEST_CASE(
+      "CudaBackend::sum_to refuses to grow its scratch while the backend's stream captures, and is captured once the "
+      "scratch has its size") {
+    // Captured, the growth would be the graph's allocation: one the graph does not free, which a second launch refuses.
+    const tandem::CudaBackend cuda;
+    const std::size_t n = (1 << 20) + 5;
+    const std::vector<float> x = normal_floats(n, 23);
+    Device<float> dx(n);
+    dx.upload(x.data(), n);
+    Device<double> out(2);
+    const auto s = static_cast<cudaStream_t>(cuda.stream().handle);
+    auto sum = [&](double* to) {
+      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, to, cuda.stream());
+    };
+    cudaGraph_t graph = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CHECK_THROWS_WITH_AS(sum(out.p), doctest::Contains("while the backend's stream is capturing"), tandem::error);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(s, &graph));  // nothing was enqueued: the capture ends
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    sum(out.p);  // eagerly: the scratch takes its size
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    sum(out.p + 1);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec = nullptr;
+    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    cuda.synchronize(cuda.stream());
+    double got[2];
+    out.download(got, 2);
+    CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);
+    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+
   TEST_CASE("CudaBackend and Nccl refuse a host_queue stream") {
     int not_a_stream = 0;
     const tandem::Stream queue{&not_a_stream, tandem::StreamKind::host_queue};

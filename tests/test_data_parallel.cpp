@@ -949,6 +949,16 @@ TEST_CASE_TEMPLATE(
         user.synchronize();
         problem.target[7] = value;
       };
+      if (captured) {  // the first step to sum the norm sizes the backend's scratch: refused in a capture
+        user.begin_capture();
+        launcher.launch(1, problem.gradient(), user.stream());
+        CHECK_THROWS_WITH_AS(dp.step(),
+                             doctest::Contains("step() while the user's stream is capturing: this is the first "
+                                               "optimizer step to sum the gradients' norm"),
+                             tandem::error);
+        (void)user.end_capture();  // whole: no stream of tandem's joined it
+        CHECK(dp.micro_step() == 0);
+      }
       optimizer_step();  // step 0, eager in both runs
       if (!captured) {
         for (int s = 1; s < steps; ++s) {

@@ -260,7 +260,8 @@ class DataParallel {
   /// Ends one micro-step: the user's backward has written this micro-batch's gradients. Every accumulation_steps-th
   /// call reduces the accumulated gradients and runs the optimizer. Under StepReport::at_step such an optimizer step
   /// reads its verdict on the host where it has one to read (the norm, more than one rank): it then refuses a capturing
-  /// user stream, before it issues anything (docs/cuda.md, "Capturing a step").
+  /// user stream, before it issues anything (docs/cuda.md, "Capturing a step"). So does the first optimizer step that
+  /// sums the gradients' norm (clipping, a non-finite check): that sum sizes the backend's scratch.
   StepResult step() {
     check_stepping("step()");
     check_no_open_bucket("step()");
@@ -268,6 +269,7 @@ class DataParallel {
     const bool boundary = micro_ + 1 == options_.accumulation_steps;
     if (boundary && options_.step_report == StepReport::at_step && step_decided())
       refuse_capture("step()", Uncapturable::verdict_read);
+    if (boundary && norm_checked() && !norm_summed_) refuse_capture("step()", Uncapturable::first_norm);
     // Entered whether or not grad_ready issued every bucket already: the update below writes the parameters, which
     // the user's stream may still be reading after its last grad_ready. The buckets issued here are packed beside the
     // collectives of those issued before.
@@ -296,6 +298,7 @@ class DataParallel {
       join_comm();                    // the reduced gradients, for the norm and the updates
       store_options(Store::changed);  // before the scalar all-reduce copies their lanes
       checks = boundary_scalars(scope, norm_checked(), average);
+      if (norm_checked()) norm_summed_ = true;
     } catch (const std::exception& e) {
       failed(broken_, "at the end of the accumulation window, before any update", e, ", with its gradients reduced");
       throw;
@@ -1240,6 +1243,7 @@ class DataParallel {
     reused_buffers,  ///< owned storage under a sharded policy: a pass waits on tandem's reused buffers
     regroup,         ///< set_optimizer_groups: the change is made on the stream, in the steps' order
     verdict_read,    ///< step() under StepReport::at_step reads its verdict on the host
+    first_norm,      ///< step()'s first sum of the gradients' norm: it sizes the backend's scratch
   };
 
   /// Throws, naming `call` and `why`, where the user's stream is capturing; each call that refuses a capture checks
@@ -1272,6 +1276,12 @@ class DataParallel {
             "under StepReport::at_step this optimizer step reads its verdict on the host (for the gradient norm, "
             "the non-finite check or the ranks' options check), which a captured graph cannot hold; capture it "
             "under StepReport::deferred (docs/cuda.md, \"Capturing a step\")";
+        break;
+      case Uncapturable::first_norm:
+        reason =
+            "this is the first optimizer step to sum the gradients' norm (for clipping or the non-finite check), "
+            "which sizes the backend's scratch for it, an allocation a captured graph would own; run one optimizer "
+            "step eagerly before the capture (docs/cuda.md, \"Capturing a step\")";
         break;
     }
     detail::fail(std::string("tandem: ") + call + " while the user's stream is capturing: " + reason);
@@ -2175,6 +2185,7 @@ class DataParallel {
   detail::StepRecord reported_;           ///< the record this rank last reported: its tallies were thrown here
   detail::StepRecord reported_together_;  ///< the record every rank last reported together (Reach::every_rank)
   bool synced_ = false;
+  bool norm_summed_ = false;  ///< an optimizer step summed the gradients' norm: the backend's scratch has its size
   /// Shared with the open bucket handles: false once this DataParallel is destroyed with one still open, which then
   /// refuses every use and releases nothing (it pointed at freed memory). Moves with the object (a DataParallel with
   /// a handle open refuses to move).

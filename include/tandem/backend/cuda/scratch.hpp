@@ -6,7 +6,10 @@
 //   lease(bytes, stream)   at least `bytes` of it for the work the caller enqueues on `stream` while the lease lives.
 //                          The block only grows (to twice its size, or to `bytes` if more), the old block freed and the
 //                          new one allocated in stream order on the home stream (the backend's work stream); it is
-//                          freed there when the CudaScratch ends.
+//                          freed there when the CudaScratch ends. A growth while the home stream captures a CUDA
+//                          graph throws tandem::error before anything is enqueued: captured, the allocation would be
+//                          the graph's (mapped at each launch, and a graph holding an allocation it does not free
+//                          cannot be launched again), while the scratch keeps its address for later calls.
 //   ordering               the home stream is the scratch's one timeline. A lease on another stream makes that
 //                          stream wait for the home stream first (an event) and, when the lease ends, the home stream
 //                          wait for that stream's work: no two uses overlap, whichever streams they run on, and the
@@ -21,6 +24,7 @@
 #include <cstddef>
 #include <mutex>
 #include <new>
+#include <string>
 #include <utility>
 
 #include "tandem/backend/cuda/check.hpp"
@@ -83,6 +87,13 @@ class CudaScratch {
 
  private:
   void grow(std::size_t bytes) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TANDEM_CUDA_CHECK(cudaStreamIsCapturing(home_, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      fail("tandem: sum_to needs " + std::to_string(bytes) + " bytes of scratch, more than the " +
+           std::to_string(bytes_) +
+           " it holds, while the backend's stream is capturing a CUDA graph, which would own the new block; "
+           "make the same call once before the capture (a step: one eager step first, docs/cuda.md)");
     constexpr std::size_t granule = 4096;
     const std::size_t want = (std::max(bytes, 2 * bytes_) + granule - 1) / granule * granule;
     if (data_) {
