@@ -17,21 +17,19 @@ namespace test {
 
 enum class Collective { all_reduce, reduce_scatter, all_gather, broadcast };
 
-/// Numbered operations that work on HostStreams can be made to wait behind: hold(s) enqueues on s operation number
-/// holds() (from 0), which, whenever it runs (in each replay of a graph, where s was capturing), waits while it is the
+/// Numbered operations that work on HostStreams can be made to wait behind: hold(q) enqueues on q operation number
+/// holds() (from 0), which, whenever it runs (in each replay of a graph, where q was capturing), waits while it is the
 /// one closed (close(k)) until open(). close() and open() may be called from any thread. A gate must outlive every
 /// stream and graph that holds an operation of it.
 class StreamGate {
  public:
-  void hold(tandem::Stream s) {
-    tandem::HostStream* q = tandem::detail::host_queue(s);
-    if (q == nullptr) throw tandem::error("test::StreamGate holds the work of a HostStream only");
+  void hold(tandem::HostStream& q) {
     std::size_t k = 0;
     {
       std::lock_guard lock(mutex_);
       k = made_++;
     }
-    q->enqueue([this, k] {
+    q.enqueue([this, k] {
       std::unique_lock lock(mutex_);
       opened_.wait(lock, [this, k] { return closed_ != k; });
     });
@@ -112,7 +110,7 @@ struct CountingComm {
   void held(tandem::Stream st) {
     if (gate == nullptr) return;
     tandem::HostStream* q = tandem::detail::host_queue(st);
-    if (q != nullptr && q->capturing()) gate->hold(st);
+    if (q != nullptr && q->capturing()) gate->hold(*q);
   }
 };
 static_assert(tandem::Communicator<CountingComm>);

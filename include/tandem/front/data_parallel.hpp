@@ -366,7 +366,6 @@ class DataParallel {
   /// Refused while the user's stream is capturing (a host wait; a graph would not run it again at each replay).
   bool all_ranks_have_batch(Batch mine) {
     check_live("all_ranks_have_batch");
-    // Under either StepReport: the gather waits on the work stream, which a step captured before has joined
     refuse_capture("all_ranks_have_batch", Uncapturable::host_wait);
     const std::uint64_t taken =
         windows_ * static_cast<std::uint64_t>(options_.accumulation_steps) + static_cast<std::uint64_t>(micro_);
@@ -560,7 +559,6 @@ class DataParallel {
   /// file).
   TANDEM_COLD CheckpointMetadata load_checkpoint(const std::string& path) {
     check_live("load_checkpoint");  // a moved-from object has no state to restore, nor a collective to take part in
-    // before the ranks' agreement below: its wait, on the work stream, would fail where a captured step joined it
     refuse_capture("load_checkpoint", Uncapturable::host_wait);
     // A save that commits into the directory while the ranks read it (another job's: a load takes no lock) removes the
     // files of the checkpoint it replaces: a rank then cannot open one, or open again one it closed (and on NFS, reads
@@ -1110,7 +1108,6 @@ class DataParallel {
   ///   dp.set_optimizer_groups({dp.optimizer_options(), no_decay}, group);
   TANDEM_COLD void set_optimizer_groups(std::vector<OptimizerOptions> groups, std::vector<std::size_t> group_of) {
     check_live("set_optimizer_groups");
-    // before the ranks' agreement below: its wait, on the work stream, would fail where a captured step joined it
     refuse_capture("set_optimizer_groups", Uncapturable::regroup);
     std::string problem;
     try {
@@ -1247,7 +1244,9 @@ class DataParallel {
   };
 
   /// Throws, naming `call` and `why`, where the user's stream is capturing; each call that refuses a capture checks
-  /// before it issues anything, so that the capture stays as it was and can end. A CUDA graph can hold neither a host
+  /// before it issues anything, so that the capture stays as it was and can end, and on its own rank, before any
+  /// agreement between the ranks: a step captured before leaves tandem's streams joined to the capture until it ends,
+  /// so the agreement's wait would fail there (and under either StepReport). A CUDA graph can hold neither a host
   /// wait (CUDA refuses it and ends the capture) nor a wait on an event recorded before the capture
   /// (cudaErrorStreamCaptureIsolation), which a pass on owned storage under GradientSharded or ParameterSharded makes
   /// on tandem's reused buffers (and ParameterSharded's gathers would run once, at capture time).
