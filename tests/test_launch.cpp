@@ -56,6 +56,36 @@ TEST_CASE("detect_launch: no launcher") {
   CHECK(contains(info.describe(), "no launcher found"));
 }
 
+TEST_CASE("detect_launch: a local rank with no launcher's rank and size is an error, unless it says 'alone'") {
+  CHECK_THROWS_WITH_AS(detect({{"LOCAL_RANK", "3"}}),
+                       "tandem: detect_launch: LOCAL_RANK is 3 but no launcher set this process's rank and world size "
+                       "(RANK and WORLD_SIZE, or another launcher's: docs/launching.md); set them too, or unset "
+                       "LOCAL_RANK (to choose a GPU for a single process, set CUDA_VISIBLE_DEVICES)",
+                       tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "4"}}),
+                       doctest::Contains("LOCAL_WORLD_SIZE is 4 but no launcher set"), tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"MPI_LOCALRANKID", "1"}}),
+                       doctest::Contains("MPI_LOCALRANKID is 1 but no launcher set this process's rank and world size "
+                                         "(PMI_RANK and PMI_SIZE"),
+                       tandem::error);
+  CHECK_THROWS_WITH_AS(detect({{"LOCAL_RANK", "x"}}), doctest::Contains("LOCAL_RANK is \"x\", not a non-negative"),
+                       tandem::error);
+  // local rank 0 of 1 is what running alone means: listed, not refused
+  const auto alone = detect({{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}});
+  CHECK(alone.launcher == tandem::Launcher::none);
+  CHECK(alone.local_rank == 0);
+  CHECK(contains(alone.describe(), "no launcher found"));
+  CHECK(contains(alone.describe(), "also set but ignored: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1"));
+  // a SLURM batch script's own environment: its task's variables are listed, and it runs alone
+  const auto batch = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"}});
+  CHECK(batch.launcher == tandem::Launcher::none);
+  CHECK(contains(batch.describe(), "also set but ignored: SLURM_PROCID=0, SLURM_NTASKS=4, SLURM_LOCALID=0"));
+  // under a launcher that was found, another's local variables are listed too
+  const auto mpi = detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}});
+  CHECK(mpi.launcher == tandem::Launcher::openmpi);
+  CHECK(contains(mpi.describe(), "also set but ignored: LOCAL_RANK=1"));
+}
+
 TEST_CASE("detect_launch: each launcher's variables") {
   SUBCASE("Open MPI") {
     const auto info = detect({{"OMPI_COMM_WORLD_RANK", "3"},

@@ -13,11 +13,13 @@
 //              which is no launch at all
 //
 // When several launchers' variables are present (mpirun inside a SLURM allocation, torchrun inside srun), the most
-// specific wins in the order above, the process-level launcher over the allocation, and describe() lists the others as
-// ignored. Open MPI's and torchrun's variables that disagree throw: torchrun's workers started by mpirun inherit
-// mpirun's, and which launcher started this process is not in the environment. Within the launcher it picks,
-// inconsistent or malformed values (a rank not below the size, a local size above the world size, "3x") throw
-// tandem::error naming the variables. With no launcher, the process is rank 0 of 1, local rank 0 of 1.
+// specific wins in the order above, the process-level launcher over the allocation, and describe() lists the others'
+// variables that are set, local ones included, as ignored. Open MPI's and torchrun's variables that disagree throw:
+// torchrun's workers started by mpirun inherit mpirun's, and which launcher started this process is not in the
+// environment. Within the launcher it picks, inconsistent or malformed values (a rank not below the size, a local size
+// above the world size, "3x") throw tandem::error naming the variables. With no launcher, the process is rank 0 of 1,
+// local rank 0 of 1; a local rank other than 0 or a local size above 1 with no rank and size (LOCAL_RANK=3 alone)
+// throws rather than run alone.
 #pragma once
 
 #include <algorithm>
@@ -184,16 +186,25 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
 
   LaunchInfo info;
   const Candidate* chosen = nullptr;
-  for (const Candidate& c : candidates) {
-    if (!present(c)) continue;
-    if (chosen == nullptr) {
-      chosen = &c;
-      continue;
-    }
-    for (const char* name : {c.rank, c.size})
-      if (const char* v = env(name)) info.ignored.push_back(std::string(name) + "=" + v);
+  for (const Candidate& c : candidates)
+    if (chosen == nullptr && present(c)) chosen = &c;
+  for (const Candidate& c : candidates) {  // every other launcher's variables that are set, local ones included
+    if (&c == chosen) continue;
+    for (const char* name : {c.rank, c.size, c.size_fallback, c.local_rank, c.local_size})
+      if (const char* v = name != nullptr ? env(name) : nullptr) info.ignored.push_back(std::string(name) + "=" + v);
   }
   if (chosen == nullptr) {
+    // A local rank other than 0 (or a local size above 1) without the rank and size it belongs to: the process was
+    // told it is one of several on its node but not its place in the job. Running it as rank 0 of 1 would train a
+    // model of its own on device 0, beside the others, without a word.
+    for (const Candidate& c : candidates)
+      for (const auto& [name, alone] : {std::pair{c.local_rank, 0}, std::pair{c.local_size, 1}})
+        if (const std::optional<int> v = name != nullptr ? detail::env_int(env, name, nullptr) : std::nullopt;
+            v && *v != alone)
+          detail::fail(std::string("tandem: detect_launch: ") + name + " is " + std::to_string(*v) +
+                       " but no launcher set this process's rank and world size (" + c.rank + " and " + c.size +
+                       ", or another launcher's: docs/launching.md); set them too, or unset " + name +
+                       " (to choose a GPU for a single process, set CUDA_VISIBLE_DEVICES)");
     info.local_rank = 0;  // the only process of its job
     info.local_size = 1;
     return info;
