@@ -887,6 +887,64 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
   }
 
+  TEST_CASE(
+      "CudaBackend::sum_to on another stream refuses a capture that the backend's stream is not in (either way), and "
+      "is captured when both streams are in it") {
+    // The scratch's lease orders the other stream against the backend's by events, which cannot cross a capture.
+    const tandem::CudaBackend cuda;
+    const std::size_t n = (1 << 20) + 5;
+    const std::vector<float> x = normal_floats(n, 29);
+    Device<float> dx(n);
+    dx.upload(x.data(), n);
+    Device<double> out(2);
+    const auto home = static_cast<cudaStream_t>(cuda.stream().handle);
+    cudaStream_t other = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    auto sum = [&](double* to, cudaStream_t s) {
+      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, to, tandem::Stream{s});
+    };
+    sum(out.p, home);  // eagerly: the scratch takes its size
+    cudaGraph_t graph = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal));
+    CHECK_THROWS_WITH_AS(sum(out.p + 1, other),
+                         doctest::Contains("sum_to on a stream that is capturing a CUDA graph while the backend's "
+                                           "stream is not capturing"),
+                         tandem::error);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(other, &graph));  // nothing was enqueued: the capture ends
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(home, cudaStreamCaptureModeThreadLocal));
+    CHECK_THROWS_WITH_AS(sum(out.p + 1, other),
+                         doctest::Contains("sum_to on a stream that is not capturing while the backend's stream is "
+                                           "capturing one"),
+                         tandem::error);
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(home, &graph));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    // the backend's stream joined to other's capture, and rejoining it before the capture ends
+    cudaEvent_t fork = nullptr, join = nullptr;
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal));
+    TANDEM_CUDA_CHECK(cudaEventRecord(fork, other));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(home, fork, 0));
+    sum(out.p + 1, other);
+    TANDEM_CUDA_CHECK(cudaEventRecord(join, home));
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(other, join, 0));
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(other, &graph));
+    cudaGraphExec_t exec = nullptr;
+    TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, other));
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, other));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(other));
+    double got[2];
+    out.download(got, 2);
+    CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);
+    TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    TANDEM_CUDA_CHECK(cudaEventDestroy(fork));
+    TANDEM_CUDA_CHECK(cudaEventDestroy(join));
+    TANDEM_CUDA_CHECK(cudaStreamDestroy(other));
+  }
+
   TEST_CASE("CudaBackend and Nccl refuse a host_queue stream") {
     int not_a_stream = 0;
     const tandem::Stream queue{&not_a_stream, tandem::StreamKind::host_queue};

@@ -27,8 +27,10 @@
 //             (detail::CudaScratch): it grows (stream-ordered, on the backend's stream) only when a call needs more
 //             than any call before, is never trimmed, is reused in stream order whichever stream a call names, and
 //             is freed with the backend. So a training loop allocates for clipping in its first step only, and the
-//             launches can be captured in a CUDA graph once the scratch has its size. sum() (tests, tools) still
-//             allocates its 8-byte result per call.
+//             launches can be captured in a CUDA graph once the scratch has its size: on the backend's stream, or on
+//             another stream in the same capture as it (a call on a stream that captures while the backend's does
+//             not, or the reverse, throws, as the events that order the scratch cannot cross a capture). sum()
+//             (tests, tools) still allocates its 8-byte result per call.
 //   waits     read() and synchronize() never block in cudaStreamSynchronize: they record an event and poll it with
 //             a back-off (detail::wait_event: spin, then yield, then ~50 us sleeps) for at most
 //             CudaBackendOptions::timeout, then throw tandem::timeout_error naming the call, the device and the

@@ -13,7 +13,9 @@
 //   ordering               the home stream is the scratch's one timeline. A lease on another stream makes that
 //                          stream wait for the home stream first (an event) and, when the lease ends, the home stream
 //                          wait for that stream's work: no two uses overlap, whichever streams they run on, and the
-//                          final free comes after every use. Leases on the home stream cost no event at all.
+//                          final free comes after every use. Leases on the home stream cost no event at all. A lease
+//                          on another stream throws, before anything is enqueued, where one of the two captures a
+//                          CUDA graph and the other is not in that capture: the events cannot cross its boundary.
 //   threads                a lease holds a mutex while the caller enqueues (not while the device runs the work), so
 //                          one backend may be called from several threads.
 #pragma once
@@ -70,6 +72,7 @@ class CudaScratch {
   /// At least `bytes` (> 0) for work on `stream`, a stream of this scratch's device. Call with that device current.
   [[nodiscard]] Lease lease(std::size_t bytes, cudaStream_t stream) {
     std::unique_lock lock(mutex_);
+    if (stream != home_) check_same_capture(stream);
     if (bytes > bytes_) grow(bytes);
     if (stream != home_) {
       if (!event_) TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
@@ -86,6 +89,25 @@ class CudaScratch {
   }
 
  private:
+  /// Throws tandem::error, before anything is enqueued, where `stream` and the home stream are not in the same state of
+  /// capture (one captures and the other does not, or they capture into different graphs): the lease's event would
+  /// then order a captured stream against an eager one, which CUDA refuses and which invalidates the capture
+  /// (cudaErrorStreamCaptureIsolation). Both eager, or both in one capture (the home stream joined to it), is fine.
+  void check_same_capture(cudaStream_t stream) const {
+    cudaStreamCaptureStatus status[2] = {cudaStreamCaptureStatusNone, cudaStreamCaptureStatusNone};
+    unsigned long long id[2] = {0, 0};
+    TANDEM_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status[0], &id[0]));
+    TANDEM_CUDA_CHECK(cudaStreamGetCaptureInfo(home_, &status[1], &id[1]));
+    const auto capturing = [](cudaStreamCaptureStatus s) { return s != cudaStreamCaptureStatusNone; };
+    if (capturing(status[0]) == capturing(status[1]) && (!capturing(status[0]) || id[0] == id[1])) return;
+    fail(std::string("tandem: sum_to on a stream that ") +
+         (capturing(status[0]) ? "is capturing a CUDA graph" : "is not capturing") + " while the backend's stream " +
+         (capturing(status[1]) ? (capturing(status[0]) ? "captures another graph" : "is capturing one")
+                               : "is not capturing") +
+         ": the scratch they share is ordered by an event between them, which cannot cross a capture's boundary; "
+         "call it on the backend's stream (CudaBackend::stream()) or on a stream in the same capture as it");
+  }
+
   void grow(std::size_t bytes) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TANDEM_CUDA_CHECK(cudaStreamIsCapturing(home_, &capture));
