@@ -111,6 +111,9 @@ TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
   test::skip_case("this host build has no vector conversions (SSE2)");
 }
 #else
+#if defined(TANDEM_TEST_EXPECT_F16C)
+static_assert(TANDEM_HOST_F16C, "test_dtype_f16c is built with -mf16c: the conversions below must be F16C's");
+#endif
 TEST_CASE("the host's vector conversions give the scalar conversions' bits") {
   // Eight floats at a time through widen8 / narrow8 against BFloat16 / Float16's scalar conversions, bit for bit.
   const auto narrow = [](const std::uint32_t(&u)[8]) {

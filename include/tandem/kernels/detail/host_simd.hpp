@@ -5,14 +5,17 @@
 // accumulating, the destination), the rounded product and the sum as vectors, narrow8 the result. Compilers vectorize
 // the scalar conversions of core/dtype.hpp poorly or not at all (Float16's has branches; GCC 12 made the fp32 -> bf16
 // pack slower at -O3 than at -O2): with them the host pack of GPT-2 into bf16 ran at 0.33x copy and into fp16 at 0.11x,
-// with these at 0.65x and 0.40x (bench_pack; fp16's rounding is still bound by arithmetic at SSE2's width).
+// with these at 0.65x and 0.40x (bench_pack; fp16's rounding is still bound by arithmetic at SSE2's width). Built for
+// F16C (TANDEM_HOST_F16C: -mf16c, -march=x86-64-v3 or native), fp16 converts by its instructions instead.
 //
 // Every function gives, lane by lane, the bits of the scalar conversion it replaces: BFloat16::from_float,
-// Float16::from_float and Float16::to_float, and a bf16's float (its bits shifted up). tests/test_dtype.cpp checks
-// them against those on every 16-bit pattern and on every float rounding case. The integer work follows the scalar
-// forms. The two float operations (fp16's subnormal rounding and widening) are exact or correctly rounded in the
-// default rounding mode, and the same whatever the flush-to-zero and denormals-are-zero flags say: no result of
-// theirs is subnormal, and a subnormal float rounds to an fp16 zero whether or not it is read as zero.
+// Float16::from_float and Float16::to_float, and a bf16's float (its bits shifted up). tests/test_dtype.cpp checks them
+// against those on every 16-bit pattern and on every float rounding case (and test_dtype_f16c, built with -mf16c, the
+// F16C forms). The integer work follows the scalar forms. The two float operations (fp16's subnormal rounding and
+// widening) are exact or correctly rounded in the default rounding mode, and the same whatever the flush-to-zero and
+// denormals-are-zero flags say: no result of theirs is subnormal, and a subnormal float rounds to an fp16 zero whether
+// or not it is read as zero. F16C's conversions ignore flush-to-zero (the Intel SDM says so of VCVTPS2PH) and give the
+// same bits under both flags (test_dtype_f16c).
 #pragma once
 
 #include "tandem/core/config.hpp"
@@ -20,6 +23,9 @@
 #if TANDEM_HOST_SSE2
 
 #include <emmintrin.h>
+#if TANDEM_HOST_F16C
+#include <immintrin.h>
+#endif
 
 #include <type_traits>
 
@@ -82,6 +88,33 @@ inline __m128i float_to_half(__m128 f) {
   return _mm_or_si128(bits, _mm_srli_epi32(sign, 16));
 }
 
+#if TANDEM_HOST_F16C
+/// Eight fp16 patterns (in memory order) as floats, by F16C: Float16::to_float. The instruction quiets a signalling
+/// NaN (sets the top bit of its payload, bit 22 of the float) where to_float keeps the pattern: the xor clears that
+/// bit again in the NaN lanes whose fp16 pattern had it clear.
+inline Float4x2 half8_to_float(__m128i w) {
+  const auto one = [](__m128i h4, __m128i h32) {  // four halves in h4's low 64 bits, the same zero-extended in h32
+    const __m128 f = _mm_cvtph_ps(h4);
+    const __m128i quieted = _mm_andnot_si128(_mm_slli_epi32(h32, 13), splat(1u << 22));
+    return _mm_castsi128_ps(
+        _mm_xor_si128(_mm_castps_si128(f), _mm_and_si128(_mm_castps_si128(_mm_cmpunord_ps(f, f)), quieted)));
+  };
+  const __m128i zero = _mm_setzero_si128();
+  return {one(w, _mm_unpacklo_epi16(w, zero)), one(_mm_unpackhi_epi64(w, w), _mm_unpackhi_epi16(w, zero))};
+}
+
+/// Eight floats as fp16 patterns in memory order, by F16C (rounding to nearest even, whatever MXCSR's mode says):
+/// Float16::from_float. The instruction keeps the top of a NaN's payload where from_float gives the quiet NaN 0x7e00
+/// with the sign: the NaN lanes' low nine bits are cleared.
+inline __m128i float8_to_half(const Float4x2& x) {
+  const __m128i h =
+      _mm_unpacklo_epi64(_mm_cvtps_ph(x.lo, _MM_FROUND_TO_NEAREST_INT), _mm_cvtps_ph(x.hi, _MM_FROUND_TO_NEAREST_INT));
+  const __m128i nan = _mm_packs_epi32(_mm_castps_si128(_mm_cmpunord_ps(x.lo, x.lo)),
+                                      _mm_castps_si128(_mm_cmpunord_ps(x.hi, x.hi)));  // 16-bit lanes of all ones
+  return _mm_andnot_si128(_mm_and_si128(nan, _mm_set1_epi16(0x01ff)), h);
+}
+#endif
+
 /// Four floats as bf16 patterns, each in the high half of its 32-bit lane (the low half is not specified):
 /// BFloat16::from_float.
 inline __m128i float_to_bf16_high(__m128 f) {
@@ -112,7 +145,11 @@ inline Float4x2 widen8(const T* p) {
     if constexpr (std::is_same_v<T, BFloat16>) {
       return {_mm_castsi128_ps(_mm_unpacklo_epi16(zero, w)), _mm_castsi128_ps(_mm_unpackhi_epi16(zero, w))};
     } else {
+#if TANDEM_HOST_F16C
+      return simd::half8_to_float(w);
+#else
       return {simd::half_to_float(_mm_unpacklo_epi16(w, zero)), simd::half_to_float(_mm_unpackhi_epi16(w, zero))};
+#endif
     }
   }
 }
@@ -128,9 +165,13 @@ inline void narrow8(const Float4x2& x, T* p) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      simd::pack_high_halves(simd::float_to_bf16_high(x.lo), simd::float_to_bf16_high(x.hi)));
   } else {
+#if TANDEM_HOST_F16C
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), simd::float8_to_half(x));
+#else
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      simd::pack_high_halves(_mm_slli_epi32(simd::float_to_half(x.lo), 16),
                                             _mm_slli_epi32(simd::float_to_half(x.hi), 16)));
+#endif
   }
 }
 
