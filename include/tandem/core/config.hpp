@@ -71,7 +71,8 @@
 // 1 where TANDEM_HOST_SSE2 is and the build targets F16C (-mf16c, or -march=x86-64-v3 or -march=native on an x86-64
 // CPU of 2012 or later): the host's fp16 conversions of eight elements at a time use its instructions (the fp32 -> fp16
 // pack and AdamW with fp16 parameters about 2.5x as fast as with SSE2's integer forms: docs/design.md); 0 elsewhere.
-// Compile-time only: a build without the flag runs on every x86-64 CPU.
+// Compile-time only: a build without the flag runs on every x86-64 CPU. Give every translation unit of a program that
+// includes tandem the same flag: the inline conversions differ with it (to the same bits), and the linker keeps one.
 #if TANDEM_HOST_SSE2 && defined(__F16C__)
 #define TANDEM_HOST_F16C 1
 #else
