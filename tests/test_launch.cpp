@@ -68,18 +68,28 @@ TEST_CASE("detect_launch: a local rank with no launcher's rank and size is an er
                        doctest::Contains("MPI_LOCALRANKID is 1 but no launcher set this process's rank and world size "
                                          "(PMI_RANK and PMI_SIZE"),
                        tandem::error);
-  CHECK_THROWS_WITH_AS(detect({{"LOCAL_RANK", "x"}}), doctest::Contains("LOCAL_RANK is \"x\", not a non-negative"),
+  CHECK_THROWS_WITH_AS(detect({{"LOCAL_WORLD_SIZE", "0"}}), doctest::Contains("LOCAL_WORLD_SIZE is 0 but"),
                        tandem::error);
-  // local rank 0 of 1 is what running alone means: listed, not refused
-  const auto alone = detect({{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}});
-  CHECK(alone.launcher == tandem::Launcher::none);
-  CHECK(alone.local_rank == 0);
-  CHECK(contains(alone.describe(), "no launcher found"));
-  CHECK(contains(alone.describe(), "also set but ignored: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1"));
-  // a SLURM batch script's own environment: its task's variables are listed, and it runs alone
+  // local rank 0 of 1 is what running alone means, and a value that is no count ("-1": scripts' "not distributed")
+  // says nothing: listed, not refused
+  for (const Env& env : {Env{{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}}, Env{{"LOCAL_RANK", "-1"}},
+                         Env{{"LOCAL_RANK", ""}, {"LOCAL_WORLD_SIZE", "x"}}}) {
+    const auto alone = detect(env);
+    CHECK(alone.launcher == tandem::Launcher::none);
+    CHECK(alone.local_rank == 0);
+    CHECK(contains(alone.describe(), "no launcher found"));
+    CHECK(contains(alone.describe(), "also set but ignored: LOCAL_RANK=" + env.begin()->second));
+  }
+  // a SLURM batch script's own environment: its task's variables are listed, and it runs alone; a local rank there
+  // names what srun would have set
   const auto batch = detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"}});
   CHECK(batch.launcher == tandem::Launcher::none);
   CHECK(contains(batch.describe(), "also set but ignored: SLURM_PROCID=0, SLURM_NTASKS=4, SLURM_LOCALID=0"));
+  CHECK_THROWS_WITH_AS(detect({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}}),
+                       doctest::Contains("SLURM_LOCALID is 1 but no launcher set this process's rank and world size "
+                                         "(SLURM_PROCID and SLURM_STEP_NUM_TASKS in a job step, where srun sets "
+                                         "SLURM_STEP_ID"),
+                       tandem::error);
   // under a launcher that was found, another's local variables are listed too
   const auto mpi = detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}});
   CHECK(mpi.launcher == tandem::Launcher::openmpi);

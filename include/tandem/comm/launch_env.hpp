@@ -18,7 +18,7 @@
 // torchrun's workers started by mpirun inherit mpirun's, and which launcher started this process is not in the
 // environment. Within the launcher it picks, inconsistent or malformed values (a rank not below the size, a local size
 // above the world size, "3x") throw tandem::error naming the variables. With no launcher, the process is rank 0 of 1,
-// local rank 0 of 1; a local rank other than 0 or a local size above 1 with no rank and size (LOCAL_RANK=3 alone)
+// local rank 0 of 1; a local rank other than 0 or a local size other than 1 with no rank and size (LOCAL_RANK=3 alone)
 // throws rather than run alone.
 #pragma once
 
@@ -194,15 +194,23 @@ inline LaunchInfo detect_launch(const EnvironmentLookup& env = detail::process_e
       if (const char* v = name != nullptr ? env(name) : nullptr) info.ignored.push_back(std::string(name) + "=" + v);
   }
   if (chosen == nullptr) {
-    // A local rank other than 0 (or a local size above 1) without the rank and size it belongs to: the process was
-    // told it is one of several on its node but not its place in the job. Running it as rank 0 of 1 would train a
-    // model of its own on device 0, beside the others, without a word.
+    // A local rank other than 0 (or a local size other than 1) without the rank and size it belongs to: the process
+    // was told it is one of several on its node but not its place in the job. Running it as rank 0 of 1 would train a
+    // model of its own on device 0, beside the others, without a word. A value that is no count ("-1", "": scripts'
+    // "not distributed") says nothing of the kind: listed as ignored above, as under a launcher that was found.
+    const auto count = [&](const char* name) -> std::optional<int> {
+      try {
+        return name != nullptr ? detail::env_int(env, name, nullptr) : std::nullopt;
+      } catch (const error&) {
+        return std::nullopt;
+      }
+    };
     for (const Candidate& c : candidates)
       for (const auto& [name, alone] : {std::pair{c.local_rank, 0}, std::pair{c.local_size, 1}})
-        if (const std::optional<int> v = name != nullptr ? detail::env_int(env, name, nullptr) : std::nullopt;
-            v && *v != alone)
+        if (const std::optional<int> v = count(name); v && *v != alone)
           detail::fail(std::string("tandem: detect_launch: ") + name + " is " + std::to_string(*v) +
                        " but no launcher set this process's rank and world size (" + c.rank + " and " + c.size +
+                       (c.launcher == Launcher::slurm ? " in a job step, where srun sets SLURM_STEP_ID" : "") +
                        ", or another launcher's: docs/launching.md); set them too, or unset " + name +
                        " (to choose a GPU for a single process, set CUDA_VISIBLE_DEVICES)");
     info.local_rank = 0;  // the only process of its job
