@@ -852,20 +852,30 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaStreamDestroy(other));
   }
 
+  /// A backend and a sum of squares over about 2^20 floats, for the cases that capture sum_to.
+  struct SumToCapture {
+    const tandem::CudaBackend cuda;
+    const std::size_t n = (1 << 20) + 5;
+    Device<float> dx{n};
+    Device<double> out{2};
+    const cudaStream_t home = static_cast<cudaStream_t>(cuda.stream().handle);
+    explicit SumToCapture(unsigned seed) {
+      const std::vector<float> x = normal_floats(n, seed);
+      dx.upload(x.data(), n);
+    }
+    void sum(double* to, cudaStream_t s) const {
+      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, to, tandem::Stream{s});
+    }
+  };
+
   TEST_CASE(
       "CudaBackend::sum_to refuses to grow its scratch while the backend's stream captures, and is captured once the "
       "scratch has its size") {
     // Captured, the growth would be the graph's allocation: one the graph does not free, which a second launch refuses.
-    const tandem::CudaBackend cuda;
-    const std::size_t n = (1 << 20) + 5;
-    const std::vector<float> x = normal_floats(n, 23);
-    Device<float> dx(n);
-    dx.upload(x.data(), n);
-    Device<double> out(2);
-    const auto s = static_cast<cudaStream_t>(cuda.stream().handle);
-    auto sum = [&](double* to) {
-      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, to, cuda.stream());
-    };
+    const SumToCapture t(23);
+    const Device<double>& out = t.out;
+    const cudaStream_t s = t.home;
+    auto sum = [&](double* to) { t.sum(to, s); };
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     CHECK_THROWS_WITH_AS(sum(out.p), doctest::Contains("while the backend's stream is capturing"), tandem::error);
@@ -879,7 +889,7 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, s));
     TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    cuda.synchronize(cuda.stream());
+    t.cuda.synchronize(t.cuda.stream());
     double got[2];
     out.download(got, 2);
     CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);
@@ -891,18 +901,12 @@ TEST_SUITE("gpu") {
       "CudaBackend::sum_to on another stream refuses a capture that the backend's stream is not in (either way), and "
       "is captured when both streams are in it") {
     // The scratch's lease orders the other stream against the backend's by events, which cannot cross a capture.
-    const tandem::CudaBackend cuda;
-    const std::size_t n = (1 << 20) + 5;
-    const std::vector<float> x = normal_floats(n, 29);
-    Device<float> dx(n);
-    dx.upload(x.data(), n);
-    Device<double> out(2);
-    const auto home = static_cast<cudaStream_t>(cuda.stream().handle);
-    cudaStream_t other = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
-    auto sum = [&](double* to, cudaStream_t s) {
-      cuda.sum_to(tandem::sum_squares_items(n), tandem::SumSquaresBody{dx.p, n}, to, tandem::Stream{s});
-    };
+    const SumToCapture t(29);
+    const Device<double>& out = t.out;
+    const cudaStream_t home = t.home;
+    const test::UserStream user;
+    const cudaStream_t other = user.s;
+    auto sum = [&](double* to, cudaStream_t s) { t.sum(to, s); };
     sum(out.p, home);  // eagerly: the scratch takes its size
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal));
@@ -942,7 +946,6 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
     TANDEM_CUDA_CHECK(cudaEventDestroy(fork));
     TANDEM_CUDA_CHECK(cudaEventDestroy(join));
-    TANDEM_CUDA_CHECK(cudaStreamDestroy(other));
   }
 
   TEST_CASE("CudaBackend and Nccl refuse a host_queue stream") {
