@@ -902,22 +902,20 @@ TEST_SUITE("gpu") {
       "is captured when both streams are in it") {
     // The scratch's lease orders the other stream against the backend's by events, which cannot cross a capture.
     const SumToCapture t(29);
-    const Device<double>& out = t.out;
-    const cudaStream_t home = t.home;
     const test::UserStream user;
-    const cudaStream_t other = user.s;
-    auto sum = [&](double* to, cudaStream_t s) { t.sum(to, s); };
-    sum(out.p, home);  // eagerly: the scratch takes its size
+    const cudaStream_t home = t.home, other = user.s;
+    double* const out = t.out.p;
+    t.sum(out, home);  // eagerly: the scratch takes its size
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal));
-    CHECK_THROWS_WITH_AS(sum(out.p + 1, other),
+    CHECK_THROWS_WITH_AS(t.sum(out + 1, other),
                          doctest::Contains("sum_to on a stream that is capturing a CUDA graph while the backend's "
                                            "stream is not capturing"),
                          tandem::error);
     TANDEM_CUDA_CHECK(cudaStreamEndCapture(other, &graph));  // nothing was enqueued: the capture ends
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(home, cudaStreamCaptureModeThreadLocal));
-    CHECK_THROWS_WITH_AS(sum(out.p + 1, other),
+    CHECK_THROWS_WITH_AS(t.sum(out + 1, other),
                          doctest::Contains("sum_to on a stream that is not capturing while the backend's stream is "
                                            "capturing one"),
                          tandem::error);
@@ -930,7 +928,7 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal));
     TANDEM_CUDA_CHECK(cudaEventRecord(fork, other));
     TANDEM_CUDA_CHECK(cudaStreamWaitEvent(home, fork, 0));
-    sum(out.p + 1, other);
+    t.sum(out + 1, other);
     TANDEM_CUDA_CHECK(cudaEventRecord(join, home));
     TANDEM_CUDA_CHECK(cudaStreamWaitEvent(other, join, 0));
     TANDEM_CUDA_CHECK(cudaStreamEndCapture(other, &graph));
@@ -940,7 +938,7 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, other));
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(other));
     double got[2];
-    out.download(got, 2);
+    t.out.download(got, 2);
     CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);
     TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
