@@ -7,9 +7,9 @@
 // pack slower at -O3 than at -O2): with them the host pack of GPT-2 into bf16 ran at 0.33x copy and into fp16 at 0.11x,
 // with these at 0.65x and 0.40x in that run (bench_pack; fp16's rounding is still bound by arithmetic at SSE2's width,
 // and later runs gave 0.27x to 0.42x). Built for F16C (TANDEM_HOST_F16C: -mf16c, -march=x86-64-v3 or native), fp16
-// converts by its instructions instead (0.65x in the run of docs/design.md). Those raise the overflow and inexact
-// floating-point flags where a conversion overflows or rounds (a trap enabled by feenableexcept fires there), which
-// the SSE2 forms do not; the bits are the same.
+// converts by its instructions instead (0.65x in the run of docs/design.md). Those raise the overflow, underflow and
+// inexact floating-point flags where a conversion overflows, gives a subnormal or rounds (a trap enabled by
+// feenableexcept fires there); the SSE2 forms raise only inexact, where a result is subnormal. The bits are the same.
 //
 // Every function gives, lane by lane, the bits of the scalar conversion it replaces: BFloat16::from_float,
 // Float16::from_float and Float16::to_float, and a bf16's float (its bits shifted up). tests/test_dtype.cpp checks them
