@@ -873,17 +873,16 @@ TEST_SUITE("gpu") {
       "scratch has its size") {
     // Captured, the growth would be the graph's allocation: one the graph does not free, which a second launch refuses.
     const SumToCapture t(23);
-    const Device<double>& out = t.out;
     const cudaStream_t s = t.home;
-    auto sum = [&](double* to) { t.sum(to, s); };
+    double* const out = t.out.p;
     cudaGraph_t graph = nullptr;
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    CHECK_THROWS_WITH_AS(sum(out.p), doctest::Contains("while the backend's stream is capturing"), tandem::error);
+    CHECK_THROWS_WITH_AS(t.sum(out, s), doctest::Contains("while the backend's stream is capturing"), tandem::error);
     TANDEM_CUDA_CHECK(cudaStreamEndCapture(s, &graph));  // nothing was enqueued: the capture ends
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
-    sum(out.p);  // eagerly: the scratch takes its size
+    t.sum(out, s);  // eagerly: the scratch takes its size
     TANDEM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    sum(out.p + 1);
+    t.sum(out + 1, s);
     TANDEM_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
     cudaGraphExec_t exec = nullptr;
     TANDEM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -891,7 +890,7 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaGraphLaunch(exec, s));
     t.cuda.synchronize(t.cuda.stream());
     double got[2];
-    out.download(got, 2);
+    t.out.download(got, 2);
     CHECK(std::memcmp(&got[1], &got[0], sizeof(double)) == 0);
     TANDEM_CUDA_CHECK(cudaGraphExecDestroy(exec));
     TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
