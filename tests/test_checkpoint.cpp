@@ -74,9 +74,10 @@ using test::temp_path;
 enum class Action { none, save, load };
 
 // Trains steps [first, last) at `world` ranks under policy P; optionally loads `path` before the first step or
-// saves it after the last. Returns rank 0's parameters.
+// saves it after the last (each rank calling `before_save(rank)` first, where given). Returns rank 0's parameters.
 template <class P, class T = float>
-Params train(int world, int first, int last, Action action, const std::string& path) {
+Params train(int world, int first, int last, Action action, const std::string& path,
+             const std::function<void(int)>& before_save = nullptr) {
   Params out;
   std::mutex m;
   tandem::LocalGroup(world).run([&](tandem::LocalComm& comm) {
@@ -93,7 +94,10 @@ Params train(int world, int first, int last, Action action, const std::string& p
       model.forward_backward(dataset(), step * global_batch + comm.rank() * local, local);
       dp.step();
     }
-    if (action == Action::save) dp.save_checkpoint(path);
+    if (action == Action::save) {
+      if (before_save) before_save(comm.rank());
+      dp.save_checkpoint(path);
+    }
     if (comm.rank() == 0) {
       std::lock_guard lock(m);
       out = as_float(model.params());
@@ -921,6 +925,76 @@ TEST_CASE("a crash in the middle of a save leaves the previous checkpoint loadab
   std::filesystem::remove_all(path);
 }
 
+TEST_CASE(
+    "a directory's flush that fails after a rename: a shard's fails the save, the manifest's keeps the files of the "
+    "checkpoint it replaces") {
+  const std::string dir = temp_path("unflushed");
+  const Params first = train<tandem::OptimizerSharded>(2, 0, 3, Action::save, dir);
+  const std::vector<std::string> first_files = shard_files(dir);
+  // Rank 1's shard is renamed into place, and then its directory's flush fails: the save fails on every rank and takes
+  // its files with it (no manifest names them); the previous checkpoint stays.
+  std::vector<std::string> messages(2);
+  tandem::LocalGroup(2).run([&](tandem::LocalComm& comm) {
+    mlp::Mlp<float> model(dims, 5);
+    test::DataParallel<tandem::OptimizerSharded, tandem::AdamW> dp(comm, model.tensors(),
+                                                                   {.lr = 3e-3f, .weight_decay = 0.05f});
+    if (comm.rank() == 1) tandem::detail::directory_flush_fault_at() = 1;  // its first commit: its shard's
+    messages[static_cast<std::size_t>(comm.rank())] = test::message_of([&] { dp.save_checkpoint(dir); });
+    tandem::detail::directory_flush_fault_at() = 0;
+  });
+  CHECK(messages[1].find("is in place, but flushing its directory failed (Input/output error): a power loss may undo "
+                         "its rename") != std::string::npos);
+  CHECK(messages[0].find("rank 1 failed") != std::string::npos);
+  CHECK(shard_files(dir) == first_files);
+  CHECK(train<tandem::OptimizerSharded>(2, 3, 3, Action::load, dir) == first);
+  // Rank 0's manifest is renamed into place (its second commit, after its shard), and then the flush fails: the save
+  // is committed, but a power loss could bring the previous manifest back, so the files it names stay.
+  const Params second = train<tandem::OptimizerSharded>(2, 0, 4, Action::save, dir, [](int rank) {
+    if (rank == 0) tandem::detail::directory_flush_fault_at() = 2;
+  });
+  CHECK(train<tandem::OptimizerSharded>(2, 4, 4, Action::load, dir) == second);
+  CHECK(shard_files(dir).size() == 4);
+  for (const std::string& f : first_files) CHECK(std::filesystem::exists(f));
+  // The next save removes them, with the files only the checkpoint it replaces names.
+  const Params third = train<tandem::OptimizerSharded>(2, 0, 5, Action::save, dir);
+  CHECK(train<tandem::OptimizerSharded>(2, 5, 5, Action::load, dir) == third);
+  CHECK(shard_files(dir).size() == 2);
+  for (const std::string& f : first_files) CHECK_FALSE(std::filesystem::exists(f));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a save removes only files of tandem's names, whatever the manifest of the checkpoint it replaces names") {
+  const std::string in = temp_path("foreign_in.safetensors"), dir = temp_path("foreign");
+  {
+    tandem::SafetensorsWriter w(in, {{"w", tandem::DType::fp32, 2}}, {{"format", "pt"}}, "the test file");
+    const float values[2] = {1.0f, 2.0f};
+    w.data(values, sizeof values);
+    w.commit();
+  }
+  // A manifest edited (or damaged) to name the user's file, or itself, in place of its parameters' file.
+  for (const std::string foreign : {"notes.txt", "manifest.json"}) {
+    CAPTURE(foreign);
+    const std::string imported = tandem::import_parameters(in, dir).files[0].name;
+    {
+      std::ofstream(dir + "/notes.txt") << "the user's";
+      const std::vector<char> bytes = read_file(dir + "/manifest.json");
+      std::string text(bytes.begin(), bytes.end());
+      const std::size_t at = text.find(imported);
+      REQUIRE(at != std::string::npos);
+      text.replace(at, imported.size(), foreign);
+      std::ofstream(dir + "/manifest.json", std::ios::binary | std::ios::trunc) << text;
+    }
+    REQUIRE(tandem::detail::read_manifest(dir).files[0].name == foreign);
+    tandem::import_parameters(in, dir);
+    CHECK(read_file(dir + "/notes.txt").size() == 10);
+    CHECK(tandem::verify_checkpoint(dir).manifest.parameters_only);
+    CHECK_FALSE(std::filesystem::exists(dir + "/" + imported));  // tandem's file, named no more: removed
+    CHECK(shard_files(dir).size() == 1);
+  }
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(in);
+}
+
 TEST_CASE("the manifest's rename commits a save: a failure after it keeps the new checkpoint, before it the old") {
   const std::string dir = temp_path("commit"), elsewhere = temp_path("commit_elsewhere"),
                     scratch = temp_path("commit_scratch");
@@ -1736,6 +1810,10 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
     mlp::Mlp<float> same(dims, 1);
     test::DataParallel<tandem::Replicated, tandem::SGD> sgd(comm, same.tensors(), {.momentum = 0.9f});
     record([&] { sgd.load_checkpoint(path); });
+    // SGD with momentum keeps one state array, without none: the options constructed with must keep the saved count.
+    sgd.save_checkpoint(path + "_sgd");
+    test::DataParallel<tandem::Replicated, tandem::SGD> plain(comm, same.tensors(), {.momentum = 0.0f});
+    record([&] { plain.load_checkpoint(path + "_sgd"); });
     test::DataParallel<tandem::Replicated, tandem::AdamW> accum(comm, same.tensors(), {}, {.accumulation_steps = 2});
     accum.step();
     record([&] { accum.save_checkpoint(path); });
@@ -1743,10 +1821,13 @@ TEST_CASE("checkpoints of another model or optimizer, and saves inside an accumu
   for (const std::string& msg : messages) {
     CHECK(msg.find("holds 11 tensors but the layout has 5") != std::string::npos);
     CHECK(msg.find("holds AdamW state (2 arrays) but this DataParallel uses SGD (1)") != std::string::npos);
+    CHECK(msg.find("holds SGD state (1 arrays) but this DataParallel uses SGD (0), as the options it was constructed "
+                   "with decide (SGD keeps a momentum buffer only where `momentum` is not 0)") != std::string::npos);
     CHECK(msg.find("inside an accumulation window") != std::string::npos);
     CHECK(msg.find("or drop the window's gradients with discard_gradients() first") != std::string::npos);
   }
   std::filesystem::remove_all(path);
+  std::filesystem::remove_all(path + "_sgd");
 }
 
 TEST_CASE("empty tensors and empty state arrays round-trip (found by fuzzing: memcpy from a null pointer)") {

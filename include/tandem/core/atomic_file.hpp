@@ -33,10 +33,29 @@ inline std::size_t& checkpoint_fault_after_bytes() {
   return bytes;
 }
 
+/// Test hook: when non-zero, the commit() that many commits from now on this thread (1: the next) renames its file and
+/// then fails the directory's flush, as an I/O error (EIO) would. Never set it in production code.
+inline unsigned& directory_flush_fault_at() {
+  static thread_local unsigned commits = 0;
+  return commits;
+}
+
 /// Throws tandem::error where `dir`, a checkpoint's directory, is an empty path: `dir + "/" + name` would be a file in
 /// the file system's root.
 inline void check_directory_named(const std::string& dir) {
   if (dir.empty()) fail("tandem: the checkpoint directory is an empty path (its files would go to `/`); name one");
+}
+
+/// The directory at `path` opened for flush_directory, or -1 (errno set).
+inline int open_directory(const char* path) { return ::open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC); }
+
+/// Flushes the open directory `fd` (its entries: a file renamed or created in it then survives a power loss). Returns
+/// 0, or the error: a file system that has no directory flush (EINVAL, EROFS, ENOTSUP: some network and FUSE mounts)
+/// counts as flushed.
+inline int flush_directory(int fd) {
+  if (::fsync(fd) == 0) return 0;
+  const int e = errno;
+  return e == EINVAL || e == EROFS || e == ENOTSUP || e == EOPNOTSUPP ? 0 : e;
 }
 
 /// Creates directory `dir` and its missing parents (as std::filesystem::create_directories), and makes each new
@@ -57,14 +76,12 @@ TANDEM_COLD inline void create_directories_durably(const std::string& dir) {
     if (!fs::create_directory(*it, ec) && ec)
       fail("tandem: cannot create the directory `" + it->string() + "`: " + ec.message());
     const fs::path parent = it->has_parent_path() ? it->parent_path() : fs::path(".");
-    const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0 || ::fsync(fd) != 0) {
-      const int e = errno;
-      if (fd >= 0) ::close(fd);
+    const int fd = open_directory(parent.c_str());
+    const int e = fd < 0 ? errno : flush_directory(fd);
+    if (fd >= 0) ::close(fd);
+    if (e != 0)
       fail("tandem: cannot flush the directory `" + parent.string() + "` after creating `" + it->string() +
            "`: " + std::strerror(e));
-    }
-    ::close(fd);
   }
 }
 
@@ -163,24 +180,36 @@ class AtomicFile {
   std::size_t written() const { return written_; }
   const std::string& path() const { return path_; }
 
-  /// Flushes to disk and renames the temporary file over the target (and makes the rename durable). Throws only before
-  /// the rename.
+  /// Flushes the file to disk, renames it over the target and flushes the directory, so that the rename survives a
+  /// power loss. Throws tandem::error before the rename, also where the directory cannot be opened for its flush; and
+  /// after it only where that flush fails (renamed() is then true: the file is in place, but a power loss may undo the
+  /// rename; flush_directory says which errors count).
   void commit() {
     if (::fsync(fd_) != 0) fail("tandem: cannot flush " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
     if (::close(std::exchange(fd_, -1)) != 0)
       fail("tandem: cannot close " + what_ + " `" + temp_ + "`: " + std::strerror(errno));
-    // The directory's name before the rename: once renamed, nothing throws (a caller may take the rename as done).
     const std::size_t slash = path_.find_last_of('/');
     const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
+    const int dfd = open_directory(dir.c_str());
+    if (dfd < 0)
+      fail("tandem: cannot open the directory `" + dir + "` to make the rename of " + what_ + " `" + path_ +
+           "` durable: " + std::strerror(errno));
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }
+    } const closer{dfd};
     if (::rename(temp_.c_str(), path_.c_str()) != 0)
       fail("tandem: cannot rename `" + temp_ + "` to `" + path_ + "`: " + std::strerror(errno));
     committed_ = true;
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {  // make the rename itself durable
-      ::fsync(dfd);
-      ::close(dfd);
-    }
+    unsigned& fault = directory_flush_fault_at();
+    const bool faulted = fault != 0 && --fault == 0;
+    const int e = faulted ? EIO : flush_directory(dfd);
+    if (e != 0)
+      fail("tandem: " + what_ + " `" + path_ + "` is in place, but flushing its directory failed (" + std::strerror(e) +
+           "): a power loss may undo its rename");
   }
+  /// Whether commit() renamed the file over the target (so that a throw from it came from the directory's flush).
+  bool renamed() const { return committed_; }
 
  private:
   void put(const void* data, std::size_t n, std::uint64_t offset) {

@@ -137,8 +137,9 @@ class CheckpointReader {
 
 }  // namespace detail
 
-/// Writes `c` to `path` atomically (temporary file, fsync, rename). Throws tandem::error on failure; the
-/// previous file at `path`, if any, is then untouched.
+/// Writes `c` to `path` atomically (temporary file, fsync, rename, the directory's fsync). Throws tandem::error on
+/// failure; the previous file at `path`, if any, is then untouched, unless only the directory's flush failed: the new
+/// file is then in place (the message says so), but a power loss may bring the previous one back.
 inline void write_checkpoint(const std::string& path, const CheckpointData& c) {
   detail::CheckpointWriter w(path);
   std::vector<unsigned char> header;

@@ -228,24 +228,30 @@ enum class ExistingCheckpoint {
 /// run's checkpoint (optimizer state, or a manifest.json that does not read), it throws and changes nothing unless
 /// `existing` is ExistingCheckpoint::replace. A file of every array (consolidate_checkpoint's Arrays::all: a tensor
 /// `<name>` beside `master/<name>` or `state<k>/<name>`) is refused: no model has those tensors, so no
-/// load_checkpoint could take the checkpoint. Returns the new manifest.
+/// load_checkpoint could take the checkpoint. Returns the new manifest. Where only the flush of the directory fails
+/// after the imported file's rename, it throws and leaves that file, which no manifest names (the next save or import
+/// there removes it).
 TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, const std::string& dir,
                                                         ExistingCheckpoint existing = ExistingCheckpoint::refuse) {
-  if (existing == ExistingCheckpoint::refuse && std::filesystem::exists(dir + "/" + detail::manifest_name)) {
-    std::string held;
-    try {
-      const CheckpointManifest old = detail::read_manifest(dir);
-      if (!old.parameters_only)
-        held = "a training checkpoint (step " + std::to_string(old.step) + ", " + old.policy + " at " +
-               std::to_string(old.world_size) + " ranks, with " + old.optimizer + " state)";
-    } catch (const error& e) {
-      held = std::string("a manifest.json that does not read (") + e.what() + ")";
+  // Checked before anything changes, and again under the directory's lock (no save commits between it and the import).
+  const auto refuse_training_checkpoint = [&] {
+    if (existing == ExistingCheckpoint::refuse && std::filesystem::exists(dir + "/" + detail::manifest_name)) {
+      std::string held;
+      try {
+        const CheckpointManifest old = detail::read_manifest(dir);
+        if (!old.parameters_only)
+          held = "a training checkpoint (step " + std::to_string(old.step) + ", " + old.policy + " at " +
+                 std::to_string(old.world_size) + " ranks, with " + old.optimizer + " state)";
+      } catch (const error& e) {
+        held = std::string("a manifest.json that does not read (") + e.what() + ")";
+      }
+      if (!held.empty())
+        detail::fail("tandem: import_parameters: `" + dir + "` holds " + held +
+                     ", which the import would replace; import into another directory, or pass "
+                     "ExistingCheckpoint::replace (tandem_checkpoint import --replace). Nothing was changed");
     }
-    if (!held.empty())
-      detail::fail("tandem: import_parameters: `" + dir + "` holds " + held +
-                   ", which the import would replace; import into another directory, or pass "
-                   "ExistingCheckpoint::replace (tandem_checkpoint import --replace). Nothing was changed");
-  }
+  };
+  refuse_training_checkpoint();
   const SafetensorsFile file(in);
   if (file.tensors().empty()) file.corrupt("it holds no tensors");
   detail::check_not_all_arrays(file, in);
@@ -266,6 +272,7 @@ TANDEM_COLD inline CheckpointManifest import_parameters(const std::string& in, c
   }
   detail::create_directories_durably(dir);
   const detail::SaveLock lock(dir, "import_parameters");
+  refuse_training_checkpoint();
   const std::string name = "parameters-" + detail::hex16(detail::new_save_id()) + ".safetensors";
   SafetensorsWriter writer(dir + "/" + name, std::move(entries), {{"format", detail::safetensors_shard_format}},
                            "the imported parameters");

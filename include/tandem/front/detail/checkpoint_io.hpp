@@ -364,8 +364,6 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
   return out.commit();
 }
 
-/// The most files of a checkpoint a ShardedCheckpoint of this thread keeps open at once: 64 (a fraction of the usual
-/// limit of 1024 descriptors a process); tests lower it.
 /// Throws tandem::error: file `f`'s tensor (or slice) `name` has data of CRC-32C `crc`, where `expected` is recorded.
 [[noreturn]] TANDEM_COLD inline void checksum_mismatch(const SafetensorsFile& f, std::string_view name,
                                                        std::uint32_t crc, std::uint32_t expected) {
@@ -373,6 +371,8 @@ TANDEM_COLD SafetensorsSummary write_shard(const Backend& backend, const Plan& p
             hex8(expected) + ")");
 }
 
+/// The most files of a checkpoint a ShardedCheckpoint of this thread keeps open at once: 64 (a fraction of the usual
+/// limit of 1024 descriptors a process); tests lower it.
 inline std::size_t& checkpoint_max_open_files() {
   static thread_local std::size_t files = 64;
   return files;
@@ -919,8 +919,10 @@ TANDEM_COLD inline std::vector<std::string> check_replaceable(const std::string&
 /// one, then removes the files that only the previous one named and, where there was none or it read, those that
 /// crashed saves left (files of tandem's names, and their temporary files, that the new manifest does not name): a save
 /// next to an old checkpoint replaces it; a crash before the rename leaves it whole. Throws only before the rename.
-/// `previous_files`: the files the checkpoint there names, as check_replaceable read them under the directory's
-/// SaveLock; null: read them here.
+/// Where the directory's flush fails after the rename, a power loss may bring the previous manifest back: its files
+/// stay (the next save removes them), and stderr says so. Only files of tandem's names are ever removed, whatever a
+/// previous manifest names. `previous_files`: the files the checkpoint there names, as check_replaceable read them
+/// under the directory's SaveLock; null: read them here.
 TANDEM_COLD inline void commit_manifest(const std::string& dir, const CheckpointManifest& m,
                                         const std::vector<std::string>* previous_files = nullptr) {
   for (std::size_t i = 0; i < m.files.size(); ++i) {
@@ -954,12 +956,18 @@ TANDEM_COLD inline void commit_manifest(const std::string& dir, const Checkpoint
   const std::string path = dir + "/" + manifest_name;
   AtomicFile out(path, "the checkpoint manifest");
   out.write(text.data(), text.size());
-  out.commit();
+  try {
+    out.commit();
+  } catch (const error& e) {
+    if (!out.renamed()) throw;
+    std::fprintf(stderr, "%s; the files of the checkpoint it replaces are kept\n", e.what());
+    return;
+  }
   // Committed: from here nothing throws (save_checkpoint keeps the files the manifest names only if this returns).
   try {
     const auto named = [&](const std::string& name) { return std::binary_search(names.begin(), names.end(), name); };
-    for (const std::string& name : previous)
-      if (!named(name)) ::unlink((dir + "/" + name).c_str());
+    for (const std::string& name : previous)  // (a manifest edited to name another file does not remove it)
+      if (is_checkpoint_file_name(name) && !named(name)) ::unlink((dir + "/" + name).c_str());
     if (!previous_read) return;
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       const std::string name = entry.path().filename().string();

@@ -66,14 +66,27 @@ TANDEM_COLD inline void validate_user_buffers(const Layout& layout, const std::v
            " buffer; every parameter and gradient needs its own memory");
 }
 
+/// Throws where a checkpoint's optimizer state (`held`'s, `held_count` arrays) is not what this DataParallel's
+/// optimizer keeps (`optimizer`'s, `state_count` arrays, as the options it was constructed with decide). `where` begins
+/// the message.
+TANDEM_COLD inline void check_optimizer_state(const std::string& where, const std::string& held, std::size_t held_count,
+                                              const char* optimizer, std::size_t state_count) {
+  if (held == optimizer && held_count == state_count) return;
+  std::string why = where + "holds " + held + " state (" + std::to_string(held_count) +
+                    " arrays) but this DataParallel uses " + optimizer + " (" + std::to_string(state_count) + ")";
+  if (held == optimizer && held == "SGD")
+    why +=
+        ", as the options it was constructed with decide (SGD keeps a momentum buffer only where `momentum` is not "
+        "0): construct it with options that keep as many as the saved run's (the load then restores those options)";
+  fail(why);
+}
+
 /// What a checkpoint must match to be loaded: the optimizer (and its number of state arrays), the parameter dtype and
 /// the layout (names, sizes, dtypes, in order). `path` names the file in the message.
 TANDEM_COLD inline void check_checkpoint(const CheckpointData& c, const std::string& path, const Layout& layout,
                                          const char* optimizer, std::size_t state_count, DType param_dtype) {
   const std::string where = "tandem: the checkpoint `" + path + "` ";
-  if (c.optimizer != optimizer || c.state_count != state_count)
-    fail(where + "holds " + c.optimizer + " state (" + std::to_string(c.state_count) +
-         " arrays) but this DataParallel uses " + optimizer + " (" + std::to_string(state_count) + ")");
+  check_optimizer_state(where, c.optimizer, c.state_count, optimizer, state_count);
   if (c.param_dtype != param_dtype)
     fail(where + "holds " + dtype_name(c.param_dtype) + " parameters but these are " + dtype_name(param_dtype));
   if (c.tensors.size() != layout.size())
@@ -92,22 +105,22 @@ TANDEM_COLD inline void check_checkpoint(const CheckpointData& c, const std::str
 TANDEM_COLD inline void check_manifest(const CheckpointManifest& m, const std::string& path, const Layout& layout,
                                        const char* optimizer, std::size_t state_count, DType param_dtype) {
   const std::string where = "tandem: the checkpoint `" + path + "` ";
-  if (!m.parameters_only && (m.optimizer != optimizer || m.state_count != state_count))
-    fail(where + "holds " + m.optimizer + " state (" + std::to_string(m.state_count) +
-         " arrays) but this DataParallel uses " + optimizer + " (" + std::to_string(state_count) + ")");
+  if (!m.parameters_only) check_optimizer_state(where, m.optimizer, m.state_count, optimizer, state_count);
   if (m.param_dtype != param_dtype)
     fail(where + "holds " + dtype_name(m.param_dtype) + " parameters but these are " + dtype_name(param_dtype));
   if (m.parameters_only) {
+    std::vector<const TensorSpec*> by_name;  // (the manifest's order among equal names: a search per layout tensor)
+    for (const TensorSpec& t : m.tensors) by_name.push_back(&t);
+    const auto name_less = [](const TensorSpec* a, const TensorSpec* b) { return a->name < b->name; };
+    std::stable_sort(by_name.begin(), by_name.end(), name_less);
     for (std::size_t i = 0; i < layout.size(); ++i) {
-      std::size_t found = 0;
-      for (const TensorSpec& t : m.tensors)
-        if (t.name == layout[i].name) {
-          ++found;
-          if (t.numel != layout[i].numel)
-            fail(where + "holds `" + t.name + "` with " + std::to_string(t.numel) + " elements, but " +
-                 layout.describe(i) + " has " + std::to_string(layout[i].numel));
-        }
-      if (found != 1) fail(where + (found == 0 ? "lacks " : "holds more than one ") + layout.describe(i));
+      const TensorSpec key{layout[i].name, 0, DType::fp32};
+      const auto [first, last] = std::equal_range(by_name.begin(), by_name.end(), &key, name_less);
+      for (auto it = first; it != last; ++it)
+        if ((*it)->numel != layout[i].numel)
+          fail(where + "holds `" + (*it)->name + "` with " + std::to_string((*it)->numel) + " elements, but " +
+               layout.describe(i) + " has " + std::to_string(layout[i].numel));
+      if (last - first != 1) fail(where + (first == last ? "lacks " : "holds more than one ") + layout.describe(i));
     }
     if (m.tensors.size() != layout.size())
       fail(where + "holds " + std::to_string(m.tensors.size()) + " tensors, of which the layout names " +
