@@ -27,6 +27,7 @@
 #include "tandem/core/atomic_file.hpp"
 #include "tandem/core/checkpoint_manifest.hpp"
 #include "tandem/core/crc32c.hpp"
+#include "tandem/core/hash.hpp"
 #include "tandem/core/json.hpp"
 #include "tandem/core/safetensors.hpp"
 
@@ -146,6 +147,26 @@ TEST_CASE("JSON: every construct parses, integers stay exact, and malformed text
     CHECK(tandem::detail::json::utf8_prefix(text) == text.size());
     CHECK(parse(text, "the input").items.at(0).string == "0123456789abcdef" + std::string(good));
   }
+}
+
+TEST_CASE("NameIndex: names chosen to share a few slots of the stable hash spread over the index all the same") {
+  // 20,000 names whose stable FNV-1a puts them into the first 1,024 of 65,536 slots (how a hostile file would choose
+  // its tensor names): an index by that hash steps over about n^2/2 occupied slots building them (quadratic), one by
+  // the process's seeded hash about as few as for any names.
+  constexpr std::size_t n = 20000, slots = 65536, window = 1024;
+  std::vector<std::string> names;
+  for (std::uint64_t c = 0; names.size() < n; ++c) {
+    std::string name = "t" + std::to_string(c);
+    if ((tandem::detail::fnv1a(name) & (slots - 1)) < window) names.push_back(std::move(name));
+  }
+  tandem::detail::NameIndex index;
+  const auto name_of = [&](std::size_t k) -> std::string_view { return names[k]; };
+  CHECK(index.build(n, name_of) == n);
+  CHECK(index.probes() < 2 * n);
+  for (std::size_t k = 0; k < n; k += 97) CHECK(index.find(names[k], name_of) == k);
+  CHECK(index.find("absent", name_of) == tandem::detail::NameIndex::none);
+  names[n - 1] = names[3];  // a repeated name is found, whichever slots they take
+  CHECK(index.build(n, name_of) == n - 1);
 }
 
 TEST_CASE("safetensors: written in pieces, read back by range, and refused when the header lies") {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compiler glue shared by every layer: host/device annotations, version.
+// Compiler glue shared by every layer: host/device annotations, what the host must be, version.
 #pragma once
 
 // One line that says what is wrong, before the errors a C++17 compile of the headers would give (nvcc's default is
@@ -7,6 +7,13 @@
 #if defined(__cplusplus) && __cplusplus < 201709L && !defined(_MSVC_LANG)  // (GCC 10's -std=c++20 says 201709)
 #error "tandem needs C++20: compile with -std=c++20 (nvcc too)"
 #endif
+
+#include <bit>
+
+// tandem's files (checkpoint shards and manifests, rendezvous blobs) are little-endian, as safetensors is, and tandem
+// writes and reads their numbers as the host's bytes (CRC-32C's tables too): a big-endian host is refused here, rather
+// than writing files that no other host reads.
+static_assert(std::endian::native == std::endian::little, "tandem needs a little-endian host: its files are");
 
 #if defined(__CUDACC__)
 #define TANDEM_HD __host__ __device__
