@@ -2,6 +2,7 @@
 // Launcher detection (comm/launch_env.hpp) against made-up environments, and the shared-file rendezvous
 // (comm/file_rendezvous.hpp) between threads: late writers, stale files from another job, torn files, timeouts.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 
 #include <array>
 #include <chrono>
@@ -510,6 +511,15 @@ TEST_CASE("wait_for_blob: timeouts say what was found; a size mismatch is an err
                        tandem::timeout_error);
   CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "other", 8, {.timeout = 50ms, .poll_interval = 5ms}),
                        doctest::Contains("holds a 4-byte blob but this rank expects 8 bytes"), tandem::error);
+  std::filesystem::remove(path);
+  // A FIFO at the path (no writer): read without blocking, it times out saying what it found, and is never replaced.
+  REQUIRE(::mkfifo(path.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS(tandem::wait_for_blob(path, "k", 4, {.timeout = 50ms, .poll_interval = 5ms}),
+                       doctest::Contains("found a file it cannot use: it is not a regular file"),
+                       tandem::timeout_error);
+  CHECK_THROWS_WITH_AS(tandem::publish_blob(path, "k", blob), doctest::Contains("is not a tandem rendezvous file"),
+                       tandem::error);
+  CHECK(std::filesystem::is_fifo(path));
   std::filesystem::remove(path);
   CHECK_THROWS_WITH_AS(tandem::publish_blob("/nonexistent-dir/x", "k", blob), doctest::Contains("cannot create"),
                        tandem::error);

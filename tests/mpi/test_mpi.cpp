@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/comm.hpp"
 #include "support/params.hpp"
 #include "support/train.hpp"
 #include "tandem/comm/mpi.hpp"
@@ -339,10 +340,21 @@ TEST_CASE("Mpi on streams: a HostStream's earlier work is done first; a CUDA str
                                       tandem::Stream{&not_a_cuda_stream, tandem::StreamKind::native}),
                        doctest::Contains("Mpi::broadcast was given a CUDA stream"), tandem::error);
   stream.begin_capture();
-  CHECK_THROWS_WITH_AS(comm.all_gather(a.data(), a.data(), 1, tandem::DType::fp32, stream.stream()),
+  CHECK_THROWS_WITH_AS(comm.all_gather(a.data() + comm.rank(), a.data(), 1, tandem::DType::fp32, stream.stream()),
                        doctest::Contains("Mpi::all_gather on a capturing HostStream"), tandem::error);
   (void)stream.end_capture();
-  comm.barrier();  // the refusals sent nothing: the communicator goes on
+  comm.barrier();  // each call ended on every rank with its refusal: the communicator goes on
+  // One rank's refusal reaches the others in the call's header: every rank throws at once, not at the timeout.
+  tandem::Mpi quick(MPI_COMM_WORLD, {.timeout = 60s});
+  const auto began = std::chrono::steady_clock::now();
+  const tandem::Stream given =
+      comm.rank() == 1 ? tandem::Stream{&not_a_cuda_stream, tandem::StreamKind::native} : tandem::Stream{};
+  const std::string message = test::message_of(
+      [&] { quick.all_reduce(a.data(), a.data(), a.size(), tandem::DType::fp32, tandem::ReduceOp::sum, given); });
+  CHECK(std::chrono::steady_clock::now() - began < 30s);
+  CHECK(message.find(comm.rank() == 1 ? "Mpi::all_reduce was given a CUDA stream" : "rank 1 rejected its arguments") !=
+        std::string::npos);
+  quick.barrier();
 }
 
 TEST_CASE("an unbounded timeout (milliseconds::max()) waits rather than expiring at once") {

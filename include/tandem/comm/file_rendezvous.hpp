@@ -99,12 +99,21 @@ struct RendezvousRead {
 
 inline RendezvousRead read_rendezvous(const std::string& path, std::string_view key) {
   RendezvousRead r;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: a FIFO at the path would block a plain open until a writer came, past any timeout.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     if (errno != ENOENT) {
       r.state = RendezvousRead::State::unreadable;
       r.why = std::string("cannot open it: ") + std::strerror(errno);
     }
+    return r;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    r.state = RendezvousRead::State::unreadable;
+    r.why = "it is not a regular file";
+    r.foreign = true;
     return r;
   }
   std::vector<unsigned char> data;
@@ -216,7 +225,11 @@ inline void publish_blob(const std::string& path, std::string_view key, std::spa
   try {
     detail::AtomicFile out(path, "the rendezvous file");
     out.write(file.data(), file.size());
-    out.commit();
+    try {
+      out.commit();
+    } catch (const error&) {
+      if (!out.renamed()) throw;  // in place: the blob is for this run, whose readers need no power-loss durability
+    }
   } catch (const error& e) {
     detail::fail(std::string("tandem: publish_blob: ") + e.what() +
                  "; pass a path in a writable directory that every rank sees");

@@ -44,22 +44,30 @@
 // MPI itself usually is too: report the error and end the process with a non-zero status (docs/launching.md). Before
 // it throws, a failing rank cancels its transfers and tells its peers, waiting briefly for both, but never for a
 // transfer with a dead peer or a send to a failed one (Open MPI leaves those pending for ever): a rank that finds a
-// dead peer throws about liveness_interval after the death (tests/mpi/run_failure.cmake checks it).
+// dead peer throws about liveness_interval after the death (tests/mpi/run_failure.cmake checks it). A receive MPI has
+// already matched cannot be cancelled: its data may still land in the call's receive buffer after the throw (measured
+// with Open MPI over TCP: a 1 GiB broadcast that timed out went on filling it). tandem keeps its own staging for such
+// a receive alive until the process ends; the caller's buffers of a failed call must stay too, so end the process
+// without freeing them (a DataParallel destroyed by the exception frees its buffers).
 //
 // Streams: a collective runs on the calling thread and is complete when it returns. Given Stream{} (HostBackend) it
 // runs at once; given a HostStream's stream (StreamHostBackend) it first waits for the work enqueued on that stream
 // (HostStream::synchronize), so it reads what that work wrote, and work enqueued after it reads its results. A CUDA
 // stream is refused with tandem::error: Mpi moves host memory, and device buffers need tandem::Nccl (on GPUs, join one
 // over this Mpi with nccl_from_host_comm). Neither can be captured (HostStream::begin_capture): a replay would not
-// run the collective.
+// run the collective. A refused stream is told to every rank in the call's header, as bad arguments are, so every rank
+// throws at once; a HostStream whose work failed fails the rank, which tells the others.
 //
 // Errors of MPI calls throw tandem::mpi_error (TANDEM_MPI_CHECK): the communicator is a duplicate of the one passed
-// in, with MPI_ERRORS_RETURN set, so MPI returns its errors instead of aborting the job.
+// in, with MPI_ERRORS_RETURN set, so MPI returns its errors instead of aborting the job. Only the duplication itself
+// (MPI_Comm_idup, in the constructor) runs under the error handler of the communicator passed in (MPI's default
+// aborts the job).
 #pragma once
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -76,6 +84,7 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <signal.h>
 #include <unistd.h>
 #endif
 
@@ -249,11 +258,16 @@ inline ProcessIdentity this_process() {
   return id;
 }
 
-/// True only when `p` certainly no longer runs: its pid is gone, is a zombie, or belongs to a later process.
+/// True only when `p` certainly no longer runs: its pid is gone, is a zombie, or belongs to a later process. A stat
+/// file that does not read for another reason (no descriptor left, say) proves nothing: the pid must be gone too.
 inline bool process_gone(const ProcessIdentity& p) {
   if (p.start == 0) return false;
   const auto stat = read_proc_stat(std::to_string(p.pid));
-  if (!stat) return true;
+#if defined(__linux__)
+  if (!stat) return ::kill(static_cast<pid_t>(p.pid), 0) != 0 && errno == ESRCH;
+#else
+  if (!stat) return false;
+#endif
   return stat->first == 'Z' || stat->first == 'X' || stat->second != p.start;
 }
 
@@ -293,8 +307,8 @@ inline std::string rank_list(const std::vector<int>& ranks) {
 
 /// A communicator over MPI processes (host memory). Collective over the MPI communicator: every rank constructs it,
 /// calls the same collectives in the same order, and destroys it. Use it from one thread at a time; MPI must be
-/// initialized before construction and finalized after destruction. Every call completes before it returns; the
-/// stream is ignored.
+/// initialized before construction and finalized after destruction. Every call completes before it returns, after
+/// the work enqueued on a HostStream it is given (see the top of this file).
 ///
 ///   MPI_Init(&argc, &argv);
 ///   {
@@ -404,20 +418,16 @@ class Mpi {
   const MpiOptions& options() const { return options_; }
 
   void all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    wait_for_stream(stream, detail::MpiCallKind::all_reduce);
-    collective(detail::MpiCallKind::all_reduce, send, recv, count, dtype, op, 0);
+    collective(detail::MpiCallKind::all_reduce, send, recv, count, dtype, op, 0, stream);
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, Stream stream = {}) {
-    wait_for_stream(stream, detail::MpiCallKind::reduce_scatter);
-    collective(detail::MpiCallKind::reduce_scatter, send, recv, count, dtype, op, 0);
+    collective(detail::MpiCallKind::reduce_scatter, send, recv, count, dtype, op, 0, stream);
   }
   void all_gather(const void* send, void* recv, std::size_t count, DType dtype, Stream stream = {}) {
-    wait_for_stream(stream, detail::MpiCallKind::all_gather);
-    collective(detail::MpiCallKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0);
+    collective(detail::MpiCallKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0, stream);
   }
   void broadcast(const void* send, void* recv, std::size_t count, DType dtype, int root, Stream stream = {}) {
-    wait_for_stream(stream, detail::MpiCallKind::broadcast);
-    collective(detail::MpiCallKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root);
+    collective(detail::MpiCallKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root, stream);
   }
   void barrier() { collective(detail::MpiCallKind::barrier, nullptr, nullptr, 0, DType::fp32, ReduceOp::sum, 0); }
 
@@ -439,34 +449,39 @@ class Mpi {
 
   // --- One call ------------------------------------------------------------------------------------------------------
 
-  /// Waits for the work enqueued on `stream` before a collective runs on this thread (see the top of this file).
-  static void wait_for_stream(Stream stream, detail::MpiCallKind kind) {
-    if (stream.handle == nullptr) return;  // the calling thread: its earlier work is done
+  /// Why `stream` cannot order a collective on this thread (see the top of this file), or "" where it can.
+  static std::string stream_refusal(Stream stream, detail::MpiCallKind kind) {
+    if (stream.handle == nullptr) return {};  // the calling thread: its earlier work is done
+    // (under the 199 characters a header carries to the other ranks)
     const std::string call = std::string("tandem: Mpi::") + call_name(kind);
     if (stream.kind != StreamKind::host_queue)
-      detail::fail(call +
-                   " was given a CUDA stream; Mpi moves host memory on the calling thread, so it works with "
-                   "HostBackend or StreamHostBackend. For device buffers use tandem::Nccl (nccl_from_host_comm joins "
-                   "one over this Mpi)");
-    HostStream& queue = *detail::host_queue(stream);
-    if (queue.capturing())
-      detail::fail(call +
-                   " on a capturing HostStream; Mpi runs its collectives on the calling thread, so a replay of the "
-                   "capture would not run them: capture with LocalComm, or run this step uncaptured");
-    queue.synchronize();
+      return call +
+             " was given a CUDA stream: Mpi moves host memory (HostBackend, StreamHostBackend); for device buffers "
+             "use tandem::Nccl (nccl_from_host_comm)";
+    if (detail::host_queue(stream)->capturing())
+      return call +
+             " on a capturing HostStream: a replay would not run a collective of the calling thread; capture with "
+             "LocalComm, or run uncaptured";
+    return {};
   }
 
+  /// One call: its header to every rank (with this rank's own refusal of its arguments or stream, so that every rank
+  /// throws at once), then the transfers. Given a HostStream, its earlier work is done first; a failure of that work
+  /// fails this rank, which tells the others.
   void collective(detail::MpiCallKind kind, const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
-                  int root) {
+                  int root, Stream stream = {}) {
     const char* name = call_name(kind);
     if (!failed_.empty())
       throw error(std::string("tandem: ") + name + " on rank " + std::to_string(rank_) +
                   ": this communicator failed earlier (" + failed_ + ") and cannot be used any more");
-    const Clock::time_point deadline = detail::deadline_after(Clock::now(), options_.timeout);
     std::string verdict;
     try {
       drain_notices(name, nullptr);
       detail::LocalCall mine = detail::make_call(as_local(kind), send, recv, count, dtype, op, root, rank_, size_);
+      if (mine.rejected.empty()) mine.rejected = stream_refusal(stream, kind);
+      if (mine.rejected.empty() && stream.handle != nullptr) detail::host_queue(stream)->synchronize();
+      // From here: the stream's work, however long, is this rank's own, not a wait for its peers.
+      const Clock::time_point deadline = detail::deadline_after(Clock::now(), options_.timeout);
       exchange_headers(kind, mine, name, deadline);
       if (kind != detail::MpiCallKind::hello) {
         std::vector<detail::LocalCall> calls(static_cast<std::size_t>(size_));
@@ -919,8 +934,8 @@ class Mpi {
     }
   }
 
-  /// This rank's call failed: cancel what is in flight (so that nothing lands in the caller's buffers later), mark the
-  /// communicator unusable and, unless the failure came from a peer's notice, tell the other ranks.
+  /// This rank's call failed: cancel what is in flight (a receive MPI already matched cannot be: see the top of this
+  /// file), mark the communicator unusable and, unless the failure came from a peer's notice, tell the other ranks.
   void fail(const char* what, bool tell_peers) noexcept {
     try {
       failed_ = what;
