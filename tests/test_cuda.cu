@@ -945,6 +945,24 @@ TEST_SUITE("gpu") {
     TANDEM_CUDA_CHECK(cudaEventDestroy(join));
   }
 
+  TEST_CASE(
+      "CudaBackend::sum_to on the legacy default stream while a blocking stream captures is refused by tandem, and the "
+      "capture stays valid") {
+    // CUDA's capture query answers cudaErrorStreamCaptureImplicit for the legacy stream then; tandem names the cause.
+    const SumToCapture t(31);
+    cudaStream_t blocking = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamCreate(&blocking));
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(blocking, cudaStreamCaptureModeThreadLocal));
+    CHECK_THROWS_WITH_AS(t.sum(t.out.p, cudaStreamLegacy), doctest::Contains("is the legacy default stream"),
+                         tandem::error);
+    CHECK(cudaGetLastError() == cudaSuccess);  // the query's answer left no error behind
+    cudaGraph_t graph = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamEndCapture(blocking, &graph));  // not invalidated: it ends with its (empty) graph
+    CHECK(graph != nullptr);
+    TANDEM_CUDA_CHECK(cudaGraphDestroy(graph));
+    TANDEM_CUDA_CHECK(cudaStreamDestroy(blocking));
+  }
+
   TEST_CASE("CudaBackend and Nccl refuse a host_queue stream") {
     int not_a_stream = 0;
     const tandem::Stream queue{&not_a_stream, tandem::StreamKind::host_queue};

@@ -93,19 +93,57 @@ class CudaScratch {
   /// capture (one captures and the other does not, or they capture into different graphs): the lease's event would
   /// then order a captured stream against an eager one, which CUDA refuses and which invalidates the capture
   /// (cudaErrorStreamCaptureIsolation). Both eager, or both in one capture (the home stream joined to it), is fine.
+  /// Also refused: a capture already invalidated (its id means nothing, and all work enqueued there fails), and the
+  /// legacy default stream while a blocking stream of the device captures (CUDA's query answers
+  /// cudaErrorStreamCaptureImplicit, leaving that capture valid: the legacy stream is unusable until it ends).
   void check_same_capture(cudaStream_t stream) const {
-    cudaStreamCaptureStatus status[2] = {cudaStreamCaptureStatusNone, cudaStreamCaptureStatusNone};
-    unsigned long long id[2] = {0, 0};
-    TANDEM_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status[0], &id[0]));
-    TANDEM_CUDA_CHECK(cudaStreamGetCaptureInfo(home_, &status[1], &id[1]));
-    const auto capturing = [](cudaStreamCaptureStatus s) { return s != cudaStreamCaptureStatusNone; };
-    if (capturing(status[0]) == capturing(status[1]) && (!capturing(status[0]) || id[0] == id[1])) return;
+    const Capture mine = capture_of(stream), home = capture_of(home_);
+    const auto where = [](const Capture& c, const char* active, const char* none) {
+      switch (c.state) {
+        case CaptureState::none:
+          return none;
+        case CaptureState::active:
+          return active;
+        case CaptureState::invalidated:
+          return "is in a capture that an earlier error invalidated (end it)";
+        case CaptureState::legacy_blocked:
+          return "is the legacy default stream, which a blocking stream's capture of a CUDA graph makes unusable";
+      }
+      return none;
+    };
+    if (mine.state == home.state &&
+        (mine.state == CaptureState::none || (mine.state == CaptureState::active && mine.id == home.id)))
+      return;
     fail(std::string("tandem: sum_to on a stream that ") +
-         (capturing(status[0]) ? "is capturing a CUDA graph" : "is not capturing") + " while the backend's stream " +
-         (capturing(status[1]) ? (capturing(status[0]) ? "captures another graph" : "is capturing one")
-                               : "is not capturing") +
+         where(mine, "is capturing a CUDA graph", "is not capturing") + " while the backend's stream " +
+         where(home, mine.state == CaptureState::active ? "captures another graph" : "is capturing one",
+               "is not capturing") +
          ": the scratch they share is ordered by an event between them, which cannot cross a capture's boundary; "
          "call it on the backend's stream (CudaBackend::stream()) or on a stream in the same capture as it");
+  }
+
+  enum class CaptureState { none, active, invalidated, legacy_blocked };
+  struct Capture {
+    CaptureState state;
+    unsigned long long id;  // meaningful where active
+  };
+  static Capture capture_of(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    const cudaError_t rc = cudaStreamGetCaptureInfo(stream, &status, &id);
+    if (rc == cudaErrorStreamCaptureImplicit) {
+      (void)cudaGetLastError();  // the query's answer, not an error of the program's work: leave no trace of it
+      return {CaptureState::legacy_blocked, 0};
+    }
+    TANDEM_CUDA_CHECK(rc);
+    switch (status) {
+      case cudaStreamCaptureStatusActive:
+        return {CaptureState::active, id};
+      case cudaStreamCaptureStatusInvalidated:
+        return {CaptureState::invalidated, 0};
+      default:
+        return {CaptureState::none, 0};
+    }
   }
 
   void grow(std::size_t bytes) {
